@@ -1,0 +1,251 @@
+"""Paged attention over a flattened batch, in plain torch (CPU and CUDA).
+
+The engine flattens one step's tokens (prefill chunks and 1-token decodes mixed) into `N`
+rows. Each layer writes the new K/V at `slot_mapping` and then attends through the block
+tables. The gather indices and masks depend only on the metadata, so `AttentionPlan` builds
+them once per forward and every layer reuses them:
+
+- decode rows (query length 1) are bucketed by context length and each bucket is one padded
+  `scaled_dot_product_attention` call with a key-padding mask; the GQA group is folded into the
+  query axis so K/V are never repeated. K/V are gathered by whole blocks with a 2-D
+  `index_select` (the memcpy path); gathering dominates decode time on CPU, so bucketing
+  (less padding) halved a 32-sequence decode step with contexts spread over 20..640.
+- prefill chunks (query length > 1) run one SDPA call each, causal kernel when the chunk has no
+  earlier context, else a [q, ctx] mask (a per-sequence loop beats padding every query to the
+  longest chunk when decodes and prefills share a batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PagedAttentionMetadata:
+    """Where one step's tokens sit in the paged KV cache.
+
+    cu_seqlens_q: [B+1] prefix sums of query lengths over the flattened batch.
+    context_lens: [B] KV length of each sequence *after* this step (cached + new tokens).
+    block_tables: [B, max_blocks] physical block ids per sequence, padded with 0.
+    slot_mapping: [N] cache slot (block_id * block_size + offset) of each new token.
+    The optional python copies let CPU-side planning skip device->host syncs.
+    """
+
+    cu_seqlens_q: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_lens_list: list[int] | None = None
+    context_lens_list: list[int] | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.context_lens.shape[0])
+
+    @classmethod
+    def from_lists(
+        cls,
+        query_lens: Sequence[int],
+        context_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str | None = None,
+    ) -> PagedAttentionMetadata:
+        """Build from python lists; slots follow from positions `ctx - q_len .. ctx - 1`."""
+        if not (len(query_lens) == len(context_lens) == len(block_tables)):
+            raise ValueError(
+                f"query_lens ({len(query_lens)}), context_lens ({len(context_lens)}) and "
+                f"block_tables ({len(block_tables)}) must have one entry per sequence"
+            )
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        slots: list[int] = []
+        for i, (q, ctx, table) in enumerate(
+            zip(query_lens, context_lens, block_tables, strict=True)
+        ):
+            if q <= 0 or q > ctx:
+                raise ValueError(f"sequence {i}: need 0 < query_len <= context_len, got {q}, {ctx}")
+            if len(table) * block_size < ctx:
+                raise ValueError(
+                    f"sequence {i}: {len(table)} blocks of {block_size} cannot hold {ctx} tokens"
+                )
+            slots.extend(table[p // block_size] * block_size + p % block_size
+                         for p in range(ctx - q, ctx))  # fmt: skip
+        width = max(len(t) for t in block_tables) if block_tables else 0
+        tables = [list(t) + [0] * (width - len(t)) for t in block_tables]
+        cu = [0]
+        for q in query_lens:
+            cu.append(cu[-1] + q)
+
+        def t(x: object) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.int64, device=device)
+
+        return cls(
+            cu_seqlens_q=t(cu),
+            context_lens=t(list(context_lens)),
+            block_tables=t(tables).view(len(tables), width),
+            slot_mapping=t(slots),
+            query_lens_list=list(query_lens),
+            context_lens_list=list(context_lens),
+        )
+
+
+@dataclass
+class DecodeGroup:
+    rows: torch.Tensor | None  # rows of the flattened batch; None = all rows, in order
+    blocks: torch.Tensor  # [batch * num_blocks] block ids to gather
+    batch: int
+    length: int  # padded KV length (num_blocks * block_size)
+    mask: torch.Tensor  # [batch, 1, 1, length] True = attend
+
+
+DECODE_BUCKET_RATIO = 1.5  # a bucket's longest context is at most this times its shortest
+DECODE_BUCKET_MIN = 4  # ...unless the bucket is still this small (fewer SDPA calls)
+
+
+def _bucket_by_length(items: list[int], blocks: list[int]) -> list[list[int]]:
+    order = sorted(range(len(items)), key=blocks.__getitem__)
+    buckets: list[list[int]] = []
+    first = 0
+    for j in order:
+        if buckets and (
+            len(buckets[-1]) < DECODE_BUCKET_MIN or blocks[j] <= DECODE_BUCKET_RATIO * first
+        ):
+            buckets[-1].append(items[j])
+        else:
+            buckets.append([items[j]])
+            first = blocks[j]
+    if len(buckets) == 1:
+        buckets[0].sort()  # keep the original order so the identity fast path applies
+    return buckets
+
+
+class AttentionPlan:
+    """Gather indices and masks derived from the metadata, shared by every layer."""
+
+    def __init__(self, meta: PagedAttentionMetadata, block_size: int, num_tokens: int) -> None:
+        q_lens = meta.query_lens_list
+        if q_lens is None:
+            q_lens = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).tolist()
+        ctx = meta.context_lens_list
+        if ctx is None:
+            ctx = meta.context_lens.tolist()
+        if len(q_lens) != len(ctx) or sum(q_lens) != num_tokens:
+            raise ValueError(
+                f"metadata covers {sum(q_lens)} tokens in {len(q_lens)} sequences, "
+                f"but the batch has {num_tokens} tokens and context_lens has {len(ctx)} entries"
+            )
+        bad = [i for i, (q, c) in enumerate(zip(q_lens, ctx, strict=True)) if not 0 < q <= c]
+        if bad:
+            i = bad[0]
+            raise ValueError(
+                f"sequence {i}: need 0 < query_len <= context_len, got {q_lens[i]}, {ctx[i]}"
+            )
+        device = meta.block_tables.device
+        self.slot_mapping = meta.slot_mapping.to(torch.long)
+        tables = meta.block_tables.to(torch.long)
+        starts = [0]
+        for q in q_lens:
+            starts.append(starts[-1] + q)
+
+        decode = [i for i, q in enumerate(q_lens) if q == 1]
+        self.all_decode = len(decode) == len(q_lens)
+        # Decode rows are bucketed by context length so padding stays small (gathering padded
+        # K/V dominates decode time on CPU); each bucket is one batched SDPA call.
+        self.decode_groups: list[DecodeGroup] = []
+        buckets = _bucket_by_length(decode, [-(-ctx[i] // block_size) for i in decode])
+        for bucket in buckets:
+            num_blocks = max(-(-ctx[i] // block_size) for i in bucket)
+            identity = len(buckets) == 1 and self.all_decode  # every row, in order
+            sel = torch.tensor(bucket, dtype=torch.long, device=device)
+            group_tables = tables if identity else tables.index_select(0, sel)
+            rows = None if identity else torch.tensor([starts[i] for i in bucket], device=device)
+            lens = torch.tensor([ctx[i] for i in bucket], device=device)
+            length = num_blocks * block_size
+            pos = torch.arange(length, device=device)
+            self.decode_groups.append(
+                DecodeGroup(
+                    rows=rows,
+                    blocks=group_tables[:, :num_blocks].reshape(-1),
+                    batch=len(bucket),
+                    length=length,
+                    mask=(pos[None, :] < lens[:, None])[:, None, None, :],  # [Bd, 1, 1, len]
+                )
+            )
+
+        # (start, end, block ids, mask [q, ctx] or None for plain causal)
+        self.prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
+        for i, q in enumerate(q_lens):
+            if q == 1:
+                continue
+            pos = torch.arange(ctx[i], device=device)
+            blocks = tables[i, : -(-ctx[i] // block_size)]
+            mask = None  # no earlier context: plain causal
+            if ctx[i] != q:
+                q_pos = torch.arange(ctx[i] - q, ctx[i], device=device)
+                mask = pos[None, :] <= q_pos[:, None]  # [q, ctx]
+            self.prefills.append((starts[i], starts[i + 1], blocks, mask))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: AttentionPlan,
+    scale: float,
+) -> torch.Tensor:
+    """q [N, H, D], k/v [N, KVH, D] (new tokens), caches [blocks, block_size, KVH, D] -> [N, H, D].
+
+    Writes the new K/V into the caches first, then attends over each sequence's context.
+    """
+    _, heads, dim = q.shape
+    kvh = k.shape[1]
+    group = heads // kvh
+    k_flat = k_cache.view(-1, kvh, dim)
+    v_flat = v_cache.view(-1, kvh, dim)
+    k_flat.index_copy_(0, plan.slot_mapping, k.to(k_flat.dtype))
+    v_flat.index_copy_(0, plan.slot_mapping, v.to(v_flat.dtype))
+    out = torch.empty_like(q)
+
+    for g in plan.decode_groups:
+        qd = q if g.rows is None else q.index_select(0, g.rows)
+        qd = qd.view(g.batch, kvh, group, dim)  # fold the GQA group into the query axis
+        kd = _gather(k_cache, g.blocks, g.batch, g.length).transpose(1, 2).to(q.dtype)
+        vd = _gather(v_cache, g.blocks, g.batch, g.length).transpose(1, 2).to(q.dtype)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
+        od = od.reshape(g.batch, heads, dim)
+        if g.rows is None:
+            return od
+        out.index_copy_(0, g.rows, od)
+
+    for start, end, blocks, mask in plan.prefills:
+        # Prefill: repeat K/V over the GQA group (measured faster than folding the group into
+        # the query axis) so a chunk without earlier context can use the causal kernel.
+        ql = end - start
+        ctx = mask.shape[1] if mask is not None else ql
+        qs = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        ks = (
+            _gather(k_cache, blocks, 1, -1)[:, :ctx].transpose(1, 2).to(q.dtype)
+        )  # [1, KVH, ctx, D]
+        vs = _gather(v_cache, blocks, 1, -1)[:, :ctx].transpose(1, 2).to(q.dtype)
+        if group > 1:
+            ks = ks.repeat_interleave(group, dim=1)
+            vs = vs.repeat_interleave(group, dim=1)
+        os_ = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale
+        )
+        out[start:end] = os_[0].transpose(0, 1)
+    return out
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    """cache [blocks, block_size, KVH, D] -> [batch, length, KVH, D] of the listed blocks."""
+    # 2-D rows take the memcpy path; a 4-D index_select is ~3x slower on CPU.
+    rows = cache.view(cache.shape[0], -1).index_select(0, blocks)
+    return rows.view(batch, length, *cache.shape[2:])

@@ -1,0 +1,255 @@
+"""Llama-family decoder (Llama 1/2/3, Qwen2) in plain torch, gpt-fast style.
+
+Module and parameter names equal Hugging Face's (`model.layers.N.self_attn.q_proj.weight`, ...),
+so trainer state dicts and HF checkpoints load the same way. Two entry points:
+`forward(tokens)` (dense causal, no cache: training and reference decoding) and
+`forward_paged(...)` (flattened ragged batch over the engine's paged KV cache).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rollout.models.attention import AttentionPlan, PagedAttentionMetadata, paged_attention
+from rollout.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and scale in the input dtype, as HF does (bit-compatible in bf16).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """fp32 inverse frequencies [head_dim/2], with Llama-3 frequency-dependent scaling if set."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (
+        config.rope_theta
+        ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
+    )
+    s = config.rope_scaling
+    if not s:
+        return inv_freq
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_ctx = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class Rotary:
+    """cos/sin for arbitrary positions; inv_freq stays fp32 whatever dtype the model is cast to."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.inv_freq = rope_inv_freq(config)
+        self._per_device: dict[torch.device, torch.Tensor] = {}
+
+    def __call__(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        inv = self._per_device.get(positions.device)
+        if inv is None:
+            inv = self._per_device[positions.device] = self.inv_freq.to(positions.device)
+        freqs = positions.float()[..., None] * inv  # [..., D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., T, heads, D]; cos/sin [..., T, D] (half-rotation layout, as HF)."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(h, config.q_size, bias=bias)
+        self.k_proj = nn.Linear(h, config.kv_size, bias=bias)
+        self.v_proj = nn.Linear(h, config.kv_size, bias=bias)
+        # Llama's attention_bias covers o_proj too; Qwen2's q/k/v biases do not.
+        self.o_proj = nn.Linear(config.q_size, h, bias=bias and config.architecture == "llama")
+
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        shape = x.shape[:-1]
+        q = self.q_proj(x).view(*shape, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(*shape, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(*shape, self.num_kv_heads, self.head_dim)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (y.transpose(1, 2) for y in self._qkv(x, cos, sin))  # [B, heads, T, D]
+        group = self.num_heads // self.num_kv_heads
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def forward_paged(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        plan: AttentionPlan,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        q, k, v = self._qkv(x, cos, sin)  # [N, heads, D]
+        out = paged_attention(q, k, v, k_cache, v_cache, plan, self.scale)
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """HF's `model.` prefix: embeddings, layers, final norm."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DecoderLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = Rotary(config)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, T, V]; plain causal attention from position 0, no cache."""
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens.shape)}")
+        x = self.model.embed_tokens(tokens)
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin)
+        return self.lm_head(self.model.norm(x))
+
+    def forward_paged(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: PagedAttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Flattened ragged batch -> final-normed hidden states [N, H] (feed to `compute_logits`).
+
+        input_ids/positions [N]; kv_cache [2, layers, blocks, block_size, kv_heads, head_dim].
+        The new tokens' K/V are written into kv_cache at meta.slot_mapping.
+        """
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(
+                f"input_ids and positions must be 1-D of equal length, got "
+                f"{tuple(input_ids.shape)} and {tuple(positions.shape)}"
+            )
+        c = self.config
+        expected = (2, c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
+        got = (kv_cache.shape[0], kv_cache.shape[1], *kv_cache.shape[4:])
+        if kv_cache.dim() != 6 or got != expected:
+            raise ValueError(
+                f"kv_cache must be [2, {c.num_hidden_layers}, blocks, block_size, "
+                f"{c.num_key_value_heads}, {c.head_dim}], got {tuple(kv_cache.shape)}"
+            )
+        if input_ids.shape[0] != meta.slot_mapping.shape[0]:
+            raise ValueError(
+                f"slot_mapping has {meta.slot_mapping.shape[0]} entries for {input_ids.shape[0]} tokens"
+            )
+        plan = AttentionPlan(meta, kv_cache.shape[3], input_ids.shape[0])
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            attn = layer.self_attn.forward_paged(
+                layer.input_layernorm(x), cos, sin, plan, kv_cache[0, i], kv_cache[1, i]
+            )
+            x = x + attn
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states from `forward_paged` (already final-normed) -> logits [..., V]."""
+        return self.lm_head(hidden)
+
+
+def build_model(
+    config: ModelConfig,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    seed: int | None = None,
+) -> DecoderLM:
+    """Randomly initialised `DecoderLM` (std 0.02 like HF Llama, norms at 1, biases at 0)."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    model = DecoderLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    return model.to(device=device, dtype=dtype)

@@ -1,0 +1,161 @@
+"""HF checkpoint I/O: `config.json` + `model.safetensors` (or sharded with an index).
+
+Parameter names equal HF's, so loading is a name/shape check and a copy. Unknown architectures,
+missing, unexpected or mis-shaped tensors raise `ValueError` naming them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from rollout.models.config import ModelConfig
+from rollout.models.llama import DecoderLM
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Tensors some checkpoints carry that we recompute instead of loading.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_config(path: str | os.PathLike) -> ModelConfig:
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"no config.json in {path}")
+    return ModelConfig.from_hf(json.loads(cfg_path.read_text()))
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    if (path / INDEX_FILE).is_file():
+        index = json.loads((path / INDEX_FILE).read_text())
+        if "weight_map" not in index:
+            raise ValueError(f"{path / INDEX_FILE} has no 'weight_map'")
+        files = sorted(set(index["weight_map"].values()))
+        missing = [f for f in files if not (path / f).is_file()]
+        if missing:
+            raise FileNotFoundError(f"shards listed in {INDEX_FILE} are missing: {missing}")
+        return [path / f for f in files]
+    if (path / SINGLE_FILE).is_file():
+        return [path / SINGLE_FILE]
+    raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
+
+
+def load_state_dict(
+    model: DecoderLM, tensors: dict[str, torch.Tensor], strict: bool = True
+) -> list[str]:
+    """Copy HF-named tensors into `model` (casting dtype/device); returns the names loaded.
+
+    Handles tied embeddings (`lm_head.weight` optional). With strict=True every parameter must
+    be given and no unknown name may appear.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tied = model.config.tie_word_embeddings
+    unexpected = [n for n in tensors if n not in params and not n.endswith(_IGNORED_SUFFIXES)]
+    if unexpected:
+        raise ValueError(f"unexpected tensors (not in the model): {sorted(unexpected)[:10]}")
+    wrong = [
+        f"{n}: checkpoint {tuple(t.shape)} vs model {tuple(params[n].shape)}"
+        for n, t in tensors.items()
+        if n in params and t.shape != params[n].shape
+    ]
+    if wrong:
+        raise ValueError(f"mis-shaped tensors: {wrong[:10]}")
+    if strict:
+        optional = {"lm_head.weight"} if tied else set()
+        missing = [n for n in params if n not in tensors and n not in optional]
+        if missing:
+            raise ValueError(f"missing tensors (not in the checkpoint): {sorted(missing)[:10]}")
+    loaded = []
+    with torch.no_grad():
+        for name, t in tensors.items():
+            if name not in params or (tied and name == "lm_head.weight"):
+                continue  # tied head: the embedding is the source of truth
+            params[name].copy_(t)
+            loaded.append(name)
+    return loaded
+
+
+def load_pretrained(
+    path: str | os.PathLike,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> tuple[DecoderLM, ModelConfig]:
+    """HF directory -> (model in eval mode, config).
+
+    dtype=None keeps the dtype the tensors were saved in (float32 if the checkpoint holds none).
+    """
+    path = Path(path)
+    config = load_config(path)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in _checkpoint_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118  (safe_open is not a dict)
+                tensors[name] = f.get_tensor(name)
+    if dtype is None:
+        floats = [t.dtype for t in tensors.values() if t.is_floating_point()]
+        dtype = floats[0] if floats else torch.float32
+    with torch.device("meta"):
+        model = DecoderLM(config)
+    model.to_empty(device=device)
+    model.to(dtype=dtype)
+    model.tie_weights()
+    load_state_dict(model, tensors, strict=True)
+    return model.eval(), config
+
+
+def save_pretrained(
+    model: DecoderLM,
+    config: ModelConfig,
+    path: str | os.PathLike,
+    max_shard_bytes: int | None = None,
+) -> list[Path]:
+    """Write the HF layout: config.json + model.safetensors, or shards + index if they exceed
+    max_shard_bytes. Returns the safetensors files written."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {
+        n: p.detach().to("cpu").contiguous()
+        for n, p in model.named_parameters()  # duplicates removed: a tied head is saved once
+    }
+    if max_shard_bytes is not None and max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
+    hf = config.to_hf()
+    dtype = next(iter(state.values())).dtype
+    hf["torch_dtype"] = hf["dtype"] = str(dtype).removeprefix("torch.")
+    (path / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    shards = _split(state, max_shard_bytes)
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(path / SINGLE_FILE), metadata=meta)
+        return [path / SINGLE_FILE]
+    files, weight_map = [], {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / name), metadata=meta)
+        weight_map.update(dict.fromkeys(shard, name))
+        files.append(path / name)
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index: dict[str, Any] = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return files
+
+
+def _split(state: dict[str, torch.Tensor], max_bytes: int | None) -> list[dict[str, torch.Tensor]]:
+    if max_bytes is None:
+        return [state]
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    return shards

@@ -1,0 +1,188 @@
+"""Tokenizers behind one small interface: a Hugging Face `tokenizer.json` wrapper and a byte
+tokenizer for tests and recipes (no files, no downloads).
+
+Interface: `encode(text, add_bos=False) -> list[int]`, `decode(ids, skip_special_tokens=True)`,
+`tokenize`/`detokenize` aliases, `bos_id`, `eos_id`, `pad_id`, `eos_ids` (every id that ends a
+generation), `vocab_size`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+MARKER_FILE = "rollout_tokenizer.json"  # written by ByteTokenizer.save
+
+
+class _Aliases:
+    def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
+        return self.encode(text, add_bos=add_bos)  # type: ignore[attr-defined]
+
+    def detokenize(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.decode(ids, skip_special_tokens=skip_special_tokens)  # type: ignore[attr-defined]
+
+    def encode_batch(self, texts: Sequence[str], add_bos: bool = False) -> list[list[int]]:
+        return [self.encode(t, add_bos=add_bos) for t in texts]  # type: ignore[attr-defined]
+
+
+class ByteTokenizer(_Aliases):
+    """UTF-8 bytes are ids 0..255; then bos=256, eos=257, pad=258; vocab_size = 259.
+
+    Invalid UTF-8 in `decode` (a model can emit any byte sequence) becomes U+FFFD.
+    """
+
+    bos_id = 256
+    eos_id = 257
+    pad_id = 258
+    vocab_size = 259
+    _SPECIAL_TEXT = {256: "<bos>", 257: "<eos>", 258: "<pad>"}
+
+    @property
+    def eos_ids(self) -> list[int]:
+        return [self.eos_id]
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects str, got {type(text).__name__}")
+        ids = list(text.encode("utf-8"))
+        return [self.bos_id, *ids] if add_bos else ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        out: list[str] = []
+        buf = bytearray()
+        for i in ids:
+            i = int(i)
+            if 0 <= i < 256:
+                buf.append(i)
+                continue
+            if i not in self._SPECIAL_TEXT:
+                raise ValueError(
+                    f"token id {i} is outside the byte vocabulary [0, {self.vocab_size})"
+                )
+            if not skip_special_tokens:
+                out.append(buf.decode("utf-8", errors="replace"))
+                out.append(self._SPECIAL_TEXT[i])
+                buf.clear()
+        out.append(buf.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write a JSON marker so `load_tokenizer(path)` returns a ByteTokenizer."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        marker = {"type": "byte", "vocab_size": self.vocab_size, "bos_id": self.bos_id,
+                  "eos_id": self.eos_id, "pad_id": self.pad_id}  # fmt: skip
+        (path / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+        return path / MARKER_FILE
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer(vocab_size=259)"
+
+
+class HFTokenizer(_Aliases):
+    """A `tokenizers.Tokenizer` with bos/eos/pad ids resolved from the files next to it.
+
+    Special tokens are never added implicitly: `encode` adds bos only when asked, so prompts
+    are tokenized the same way whatever post-processor the tokenizer.json carries.
+    """
+
+    def __init__(self, tokenizer: Any, bos_id: int | None, eos_ids: list[int],
+                 pad_id: int | None) -> None:  # fmt: skip
+        self._tok = tokenizer
+        self.bos_id = bos_id
+        self.eos_ids = eos_ids
+        self.eos_id = eos_ids[0] if eos_ids else None
+        self.pad_id = pad_id if pad_id is not None else self.eos_id
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects str, got {type(text).__name__}")
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_bos:
+            if self.bos_id is None:
+                raise ValueError("add_bos=True but this tokenizer has no bos token")
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def encode_batch(self, texts: Sequence[str], add_bos: bool = False) -> list[list[int]]:
+        encs = self._tok.encode_batch(list(texts), add_special_tokens=False)
+        if add_bos and self.bos_id is None:
+            raise ValueError("add_bos=True but this tokenizer has no bos token")
+        prefix = [self.bos_id] if add_bos else []
+        return [prefix + e.ids for e in encs]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+            )
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer(vocab_size={self.vocab_size}, bos={self.bos_id}, eos={self.eos_ids})"
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config values are strings or AddedToken dicts {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _as_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def load_tokenizer(path: str | os.PathLike) -> ByteTokenizer | HFTokenizer:
+    """Load from a directory: a ByteTokenizer marker, or HF `tokenizer.json` (+ configs).
+
+    bos/eos come from tokenizer_config.json / special_tokens_map.json (token strings), then
+    config.json / generation_config.json (ids; a generation_config eos list adds stop ids).
+    """
+    path = Path(path)
+    if (path / MARKER_FILE).is_file():
+        marker = _read_json(path / MARKER_FILE)
+        if marker.get("type") != "byte":
+            raise ValueError(f"{path / MARKER_FILE}: unknown tokenizer type {marker.get('type')!r}")
+        return ByteTokenizer()
+    if not (path / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"no tokenizer.json or {MARKER_FILE} in {path}")
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    specials = {**_read_json(path / "special_tokens_map.json"),
+                **_read_json(path / "tokenizer_config.json")}  # fmt: skip
+    model_cfg = _read_json(path / "config.json")
+    gen_cfg = _read_json(path / "generation_config.json")
+
+    def resolve(name: str) -> int | None:
+        text = _token_text(specials.get(f"{name}_token"))
+        if text is not None:
+            tid = tok.token_to_id(text)
+            if tid is None:
+                raise ValueError(f"{name}_token {text!r} is not in {path / 'tokenizer.json'}")
+            return tid
+        ids = _as_list(gen_cfg.get(f"{name}_token_id", model_cfg.get(f"{name}_token_id")))
+        return ids[0] if ids else None
+
+    eos = resolve("eos")
+    eos_ids = [eos] if eos is not None else []
+    for extra in _as_list(gen_cfg.get("eos_token_id")):
+        if extra not in eos_ids:
+            eos_ids.append(extra)
+    return HFTokenizer(tok, bos_id=resolve("bos"), eos_ids=eos_ids, pad_id=resolve("pad"))

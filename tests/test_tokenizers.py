@@ -1,0 +1,93 @@
+"""ByteTokenizer and the HF tokenizer.json wrapper behind one interface."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollout.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
+
+CORPUS = ["the quick brown fox", "jumps over the lazy dog", "héllo wörld 你好", "rollout rollout"]
+
+
+@given(st.text())
+@settings(max_examples=200, deadline=None)
+def test_byte_round_trip(text):
+    tok = ByteTokenizer()
+    ids = tok.encode(text, add_bos=True)
+    assert ids[0] == tok.bos_id and all(0 <= i < 256 for i in ids[1:])
+    assert tok.decode(ids) == text
+    assert tok.detokenize([*tok.tokenize(text), tok.eos_id, tok.pad_id]) == text
+
+
+def test_byte_specials_and_errors(tmp_path):
+    tok = ByteTokenizer()
+    assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.vocab_size) == (256, 257, 258, 259)
+    assert tok.decode([104, 105, 257], skip_special_tokens=False) == "hi<eos>"
+    assert tok.decode([0xE4, 0xBD]) == "\ufffd"  # truncated UTF-8 from a model is not fatal
+    with pytest.raises(ValueError, match="259"):
+        tok.decode([259])
+    with pytest.raises(TypeError):
+        tok.encode(b"bytes")  # type: ignore[arg-type]
+    tok.save(tmp_path)
+    assert isinstance(load_tokenizer(tmp_path), ByteTokenizer)
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<pad>", "<s>", "</s>", "<|eot|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": {"content": "</s>"}, "pad_token": "<pad>"})
+    )
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 3]}))
+    return tmp_path
+
+
+def test_hf_tokenizer_loads_and_round_trips(hf_dir):
+    tok = load_tokenizer(hf_dir)
+    assert isinstance(tok, HFTokenizer)
+    assert (tok.pad_id, tok.bos_id, tok.eos_id) == (0, 1, 2)
+    assert tok.eos_ids == [2, 3]
+    assert tok.vocab_size > 256
+    for text in [*CORPUS, "unseen ✓ text 123"]:
+        ids = tok.encode(text)
+        assert tok.bos_id not in ids
+        assert tok.decode(ids) == text
+        assert tok.encode(text, add_bos=True) == [tok.bos_id, *ids]
+    assert len(tok.encode("the quick brown fox")) < len("the quick brown fox")  # merges learned
+    assert tok.encode_batch(CORPUS, add_bos=True) == [tok.encode(t, add_bos=True) for t in CORPUS]
+    ids = [*tok.encode("hi"), tok.eos_id]
+    assert tok.decode(ids) == "hi"
+    assert tok.decode(ids, skip_special_tokens=False) == "hi</s>"
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tok.decode([10**6])
+
+
+def test_hf_tokenizer_ids_from_model_config(hf_dir):
+    (hf_dir / "tokenizer_config.json").unlink()
+    (hf_dir / "generation_config.json").unlink()
+    (hf_dir / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 3}))
+    tok = load_tokenizer(hf_dir)
+    assert (tok.bos_id, tok.eos_id, tok.eos_ids, tok.pad_id) == (1, 3, [3], 3)
+
+
+def test_load_tokenizer_errors(hf_dir, tmp_path_factory):
+    with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
+        load_tokenizer(tmp_path_factory.mktemp("empty"))
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<nope>"}))
+    with pytest.raises(ValueError, match="<nope>"):
+        load_tokenizer(hf_dir)
