@@ -1,0 +1,120 @@
+"""Per-request sampling parameters: validated once at construction, msgpack-native on the wire."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Any
+
+_SEED_LIMIT = 2**63
+
+
+def _int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
+    """An integral (not bool) value in [lo, hi); numpy ints are normalised to int."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    value = int(value)
+    if value < lo or (hi is not None and value >= hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi})"
+        raise ValueError(f"{name} must be {bound}, got {value!r}")
+    return value
+
+
+def _float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return value
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def _seq(name: str, value: Any) -> list:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list, got {value!r}")
+    return list(value)
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. temperature=0 or top_k=1 means greedy; top_k=0 turns top-k off."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    num_tokens_to_generate: int = 16
+    stop_words: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    return_log_probs: bool = False
+    top_n_logprobs: int = 0
+    return_prompt_log_probs: bool = False
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        self.temperature = _float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        self.top_k = _int("top_k", self.top_k, 0)
+        self.top_p = _float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        self.num_tokens_to_generate = _int("num_tokens_to_generate", self.num_tokens_to_generate, 1)
+        words = _seq("stop_words", self.stop_words)
+        for w in words:
+            if not isinstance(w, str) or not w:
+                raise ValueError(f"stop_words must hold non-empty str, got {w!r} in {words!r}")
+        self.stop_words = words
+        ids = _seq("stop_token_ids", self.stop_token_ids)
+        try:
+            self.stop_token_ids = [_int("stop_token_ids", t, 0) for t in ids]
+        except ValueError as e:
+            raise ValueError(f"{e} in {ids!r}") from None
+        self.return_log_probs = _bool("return_log_probs", self.return_log_probs)
+        self.top_n_logprobs = _int("top_n_logprobs", self.top_n_logprobs, 0)
+        self.return_prompt_log_probs = _bool(
+            "return_prompt_log_probs", self.return_prompt_log_probs
+        )
+        if self.seed is not None:
+            self.seed = _int("seed", self.seed, 0, _SEED_LIMIT)
+        self.ignore_eos = _bool("ignore_eos", self.ignore_eos)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        """A validated copy with `changes` applied (unknown names raise ValueError)."""
+        unknown = sorted(set(changes) - _FIELDS)
+        if unknown:
+            raise ValueError(f"unknown SamplingParams field(s): {unknown}")
+        return dataclasses.replace(self, **changes)
+
+    def serialize(self) -> dict[str, Any]:
+        """A dict of msgpack-native values (fresh lists, so callers may mutate it)."""
+        out = {f: getattr(self, f) for f in _FIELD_ORDER}
+        out["stop_words"] = list(self.stop_words)
+        out["stop_token_ids"] = list(self.stop_token_ids)
+        return out
+
+    @classmethod
+    def deserialize(cls, obj: dict[str, Any]) -> SamplingParams:
+        """Inverse of serialize(); missing keys take defaults, unknown keys raise ValueError."""
+        if not isinstance(obj, dict):
+            raise ValueError(f"SamplingParams.deserialize expects a dict, got {type(obj).__name__}")
+        unknown = sorted(str(k) for k in set(obj) - _FIELDS)
+        if unknown:
+            raise ValueError(f"unknown SamplingParams field(s): {unknown}")
+        return cls(**obj)
+
+
+_FIELD_ORDER = tuple(f.name for f in dataclasses.fields(SamplingParams))
+_FIELDS = frozenset(_FIELD_ORDER)

@@ -1,0 +1,143 @@
+from __future__ import annotations
+
+import math
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rollout.sampling import SamplingParams
+
+
+def test_defaults_match_contract():
+    sp = SamplingParams()
+    assert (sp.temperature, sp.top_k, sp.top_p, sp.num_tokens_to_generate) == (1.0, 0, 1.0, 16)
+    assert sp.stop_words == [] and sp.stop_token_ids == []
+    assert sp.return_log_probs is False and sp.return_prompt_log_probs is False
+    assert sp.top_n_logprobs == 0 and sp.seed is None and sp.ignore_eos is False
+    assert not sp.is_greedy
+    # mutable defaults are not shared between instances
+    a, b = SamplingParams(), SamplingParams()
+    a.stop_words.append("x")
+    assert b.stop_words == []
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -0.1),
+        ("temperature", math.nan),
+        ("temperature", math.inf),
+        ("temperature", "1.0"),
+        ("temperature", True),
+        ("top_k", -1),
+        ("top_k", 1.5),
+        ("top_k", True),
+        ("top_p", 0.0),
+        ("top_p", 1.0001),
+        ("top_p", -0.5),
+        ("top_p", math.nan),
+        ("num_tokens_to_generate", 0),
+        ("num_tokens_to_generate", 2.0),
+        ("stop_words", "stop"),
+        ("stop_words", [""]),
+        ("stop_words", [1]),
+        ("stop_token_ids", [-1]),
+        ("stop_token_ids", [1.0]),
+        ("stop_token_ids", 5),
+        ("top_n_logprobs", -1),
+        ("seed", -1),
+        ("seed", 2**63),
+        ("seed", 1.0),
+        ("return_log_probs", 1),
+        ("return_prompt_log_probs", None),
+        ("ignore_eos", "yes"),
+    ],
+)
+def test_invalid_values_name_field_and_value(field, value):
+    with pytest.raises(ValueError) as exc:
+        SamplingParams(**{field: value})
+    msg = str(exc.value)
+    assert field in msg
+    assert repr(value) in msg or str(value) in msg
+
+
+def test_valid_edge_values_and_normalisation():
+    sp = SamplingParams(
+        temperature=0,
+        top_k=np.int64(3),
+        top_p=1,
+        stop_words=("a", "bc"),
+        stop_token_ids=(np.int32(0), 7),
+        seed=2**63 - 1,
+    )
+    assert type(sp.temperature) is float and sp.temperature == 0.0
+    assert type(sp.top_k) is int and sp.top_k == 3
+    assert type(sp.top_p) is float
+    assert sp.stop_words == ["a", "bc"]
+    assert sp.stop_token_ids == [0, 7] and all(type(t) is int for t in sp.stop_token_ids)
+    assert sp.seed == 2**63 - 1
+
+
+@pytest.mark.parametrize(
+    "kw, greedy",
+    [({}, False), ({"temperature": 0.0}, True), ({"top_k": 1}, True), ({"top_k": 2}, False)],
+)
+def test_is_greedy(kw, greedy):
+    assert SamplingParams(**kw).is_greedy is greedy
+
+
+def test_replace_validates_and_copies():
+    sp = SamplingParams(stop_words=["x"])
+    sp2 = sp.replace(num_tokens_to_generate=3)
+    assert sp2.num_tokens_to_generate == 3 and sp.num_tokens_to_generate == 16
+    assert sp2.stop_words == ["x"]
+    with pytest.raises(ValueError, match="num_tokens_to_generate"):
+        sp.replace(num_tokens_to_generate=0)
+    with pytest.raises(ValueError, match="bogus"):
+        sp.replace(bogus=1)
+
+
+def test_deserialize_rejects_unknown_keys_and_non_dict():
+    with pytest.raises(ValueError, match="nope"):
+        SamplingParams.deserialize({"temperature": 0.5, "nope": 1})
+    with pytest.raises(ValueError, match="dict"):
+        SamplingParams.deserialize([("temperature", 0.5)])
+    assert SamplingParams.deserialize({"top_k": 5}) == SamplingParams(top_k=5)
+
+
+def test_deserialize_validates():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams.deserialize({"top_p": 2.0})
+
+
+sampling_params = st.builds(
+    SamplingParams,
+    temperature=st.floats(0, 10, allow_nan=False),
+    top_k=st.integers(0, 1000),
+    top_p=st.floats(0, 1, exclude_min=True),
+    num_tokens_to_generate=st.integers(1, 10_000),
+    stop_words=st.lists(st.text(min_size=1, max_size=5), max_size=3),
+    stop_token_ids=st.lists(st.integers(0, 2**31), max_size=3),
+    return_log_probs=st.booleans(),
+    top_n_logprobs=st.integers(0, 20),
+    return_prompt_log_probs=st.booleans(),
+    seed=st.none() | st.integers(0, 2**63 - 1),
+    ignore_eos=st.booleans(),
+)
+
+
+@given(sampling_params)
+def test_msgpack_round_trip_is_exact(sp):
+    wire = msgpack.packb(sp.serialize(), use_bin_type=True)
+    back = SamplingParams.deserialize(msgpack.unpackb(wire, raw=False))
+    assert back == sp
+    assert back.serialize() == sp.serialize()
+
+
+def test_serialize_returns_fresh_lists():
+    sp = SamplingParams(stop_token_ids=[3])
+    sp.serialize()["stop_token_ids"].append(4)
+    assert sp.stop_token_ids == [3]
