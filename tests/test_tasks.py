@@ -1,0 +1,110 @@
+"""recipes.tasks: rewards, determinism, supervised batches, registry errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from recipes.tasks import AddTask, ReverseTask, TaskExample, get_task, score
+from rollout.tokenizers import ByteTokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return ByteTokenizer()
+
+
+def test_reverse_examples_are_well_formed():
+    task = get_task("reverse", min_len=2, max_len=4)
+    for ex in task.sample_prompts(50, random.Random(1)):
+        digits = ex.prompt[:-1]
+        assert ex.prompt.endswith(">") and digits.isdigit() and 2 <= len(digits) <= 4
+        assert ex.answer == digits[::-1]
+
+
+def test_add_examples_are_well_formed():
+    task = get_task("add", max_digits=2)
+    for ex in task.sample_prompts(50, random.Random(2)):
+        a, b = ex.prompt.rstrip("=").split("+")
+        assert 0 <= int(a) <= 99 and 0 <= int(b) <= 99 and ex.prompt.endswith("=")
+        assert ex.answer == str(int(a) + int(b))
+        assert len(ex.answer) <= task.max_answer_chars
+
+
+def test_rewards_exact_partial_wrong():
+    task = ReverseTask()
+    ex = TaskExample("1234>", "4321")
+    assert task.reward("4321", ex) == 1.0
+    assert task.reward("4321", ex, stopped=False) == pytest.approx(0.8 - 0.1)  # cut off
+    assert task.reward("43219", ex) == pytest.approx(0.8 - 0.1)  # extra characters
+    assert task.reward("43", ex) == pytest.approx(0.8 * 2 / 4)
+    assert task.reward("4399", ex) == pytest.approx(0.8 * 2 / 4)
+    assert task.reward("9321", ex) == 0.0  # the first character is wrong: no credit
+    assert task.reward("", ex) == 0.0
+    assert task.reward("9", ex, stopped=False) == 0.0  # floored at 0
+    # Monotone: more correct leading characters never score lower.
+    scores = [score("4321"[:k], "4321") for k in range(5)]
+    assert scores == sorted(scores) and scores[-1] == 1.0
+    assert all(0.0 <= s <= 1.0 for s in scores)
+
+
+def test_add_reward():
+    task = AddTask()
+    ex = TaskExample("12+34=", "46")
+    assert task.reward("46", ex) == 1.0
+    assert task.reward("4", ex) == pytest.approx(0.4)
+    assert task.reward("56", ex) == 0.0
+
+
+def test_reward_tokens_uses_eos(tok):
+    task = ReverseTask()
+    ex = TaskExample("12>", "21")
+    ids = tok.encode("21")
+    assert task.reward_tokens([*ids, tok.eos_id], ex, tok) == 1.0
+    assert (
+        task.reward_tokens([*ids, tok.eos_id, *tok.encode("77")], ex, tok) == 1.0
+    )  # after eos ignored
+    assert task.reward_tokens(ids, ex, tok) == pytest.approx(0.7)  # no stop
+
+
+def test_sampling_is_deterministic_under_a_seed():
+    for name in ("reverse", "add"):
+        task = get_task(name)
+        a = task.sample_prompts(20, random.Random(7))
+        b = task.sample_prompts(20, random.Random(7))
+        c = task.sample_prompts(20, random.Random(8))
+        assert a == b and a != c
+        assert task.sample_prompts(20, 7) == a  # an int seed is the same as Random(seed)
+
+
+def test_supervised_batch_masks_only_answer_tokens(tok):
+    task = ReverseTask(min_len=1, max_len=6)
+    batch = task.supervised_batch(16, random.Random(3), tok)
+    tokens, mask, plens = batch["tokens"], batch["loss_mask"], batch["prompt_lens"]
+    assert tokens.dtype == torch.long and mask.dtype == torch.bool and tokens.shape == mask.shape
+    exs = task.sample_prompts(16, random.Random(3))
+    for i, ex in enumerate(exs):
+        row = tokens[i].tolist()
+        p = tok.encode(ex.prompt, add_bos=True)
+        a = [*tok.encode(ex.answer), tok.eos_id]
+        assert row[: len(p) + len(a)] == p + a
+        assert all(t == tok.pad_id for t in row[len(p) + len(a) :])
+        want = [False] * len(p) + [True] * len(a)
+        want += [False] * (len(row) - len(want))
+        assert mask[i].tolist() == want
+        assert plens[i].item() == len(p)
+        assert tok.decode(tokens[i][mask[i]].tolist()[:-1]) == ex.answer
+    assert tokens.shape[1] <= task.max_prompt_tokens + task.max_new_tokens
+
+
+def test_registry_errors():
+    with pytest.raises(ValueError, match=r"unknown task 'sort'.*add.*reverse"):
+        get_task("sort")
+    with pytest.raises(ValueError, match="bad arguments for task 'add'"):
+        get_task("add", min_len=3)
+    with pytest.raises(ValueError, match="max_len"):
+        get_task("reverse", min_len=5, max_len=3)
+    with pytest.raises(ValueError, match="rng"):
+        get_task("reverse").sample_prompts(2, "seed")
