@@ -1,0 +1,627 @@
+"""`RolloutManager`: the one object an RL trainer talks to.
+
+It owns the engine and hands the trainer finished GRPO groups. Two modes:
+
+- colocated (default): the trainer's thread drives the engine. resume -> collect a batch ->
+  suspend (KV freed for the optimizer) -> train -> update_weights -> resume. Groups beyond the
+  batch stay in flight as partial rollouts and continue after the update; the engine checkpoints
+  their records and increments their staleness at the update.
+- async: a background thread owns the engine and keeps generating while the trainer trains.
+  Every call from the trainer (update_weights, suspend, ...) is a command the thread runs between
+  two engine steps, so a weight swap can never land inside a forward pass (no sample mixes
+  versions within one token), and no lock can starve the trainer.
+
+Staleness is counted in weight updates and measured when a sample is handed out. `max_staleness`
+bounds the per-token policy staleness of handed-out samples: stale groups are dropped whole
+(`stale_policy="drop"`; GRPO advantages need complete groups) or only their stale samples are
+re-sampled (`"regenerate"`). Both are counted in `stats()`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import contextlib
+import dataclasses
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from rollout.samples import Sample, collate, sample_from_request
+from rollout.sampling import SamplingParams
+from rollout.weights import as_state_dict, check_compatible
+
+__all__ = ["RolloutManager", "RolloutManagerConfig", "Sample", "collate"]
+
+MODES = ("colocated", "async")
+STALE_POLICIES = ("drop", "regenerate")
+SUSPEND_MODES = ("persist", "offload", "recompute")
+RewardFn = Callable[[Sample], Any]
+
+
+@dataclasses.dataclass
+class RolloutManagerConfig:
+    """What the manager decides (engine sizes live in InferenceConfig).
+
+    max_inflight_groups bounds groups submitted but not yet handed out (in flight + ready);
+    None means 2 x the batch size, so a full batch leaves partial rollouts behind (set it to the
+    batch size for strictly synchronous batches).
+    """
+
+    mode: str = "colocated"
+    max_staleness: int | None = None
+    stale_policy: str = "drop"
+    suspend_mode: str = "recompute"
+    max_inflight_groups: int | None = None
+    initial_version: int = 0
+    collect_timeout_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.stale_policy not in STALE_POLICIES:
+            raise ValueError(
+                f"stale_policy must be one of {STALE_POLICIES}, got {self.stale_policy!r}"
+            )
+        if self.suspend_mode not in SUSPEND_MODES:
+            raise ValueError(
+                f"suspend_mode must be one of {SUSPEND_MODES}, got {self.suspend_mode!r}"
+            )
+        if self.max_staleness is not None and (
+            isinstance(self.max_staleness, bool) or int(self.max_staleness) < 0
+        ):
+            raise ValueError(f"max_staleness must be None or >= 0, got {self.max_staleness!r}")
+        if self.max_inflight_groups is not None and int(self.max_inflight_groups) < 1:
+            raise ValueError(f"max_inflight_groups must be >= 1, got {self.max_inflight_groups!r}")
+        if self.collect_timeout_s <= 0:
+            raise ValueError(f"collect_timeout_s must be > 0, got {self.collect_timeout_s!r}")
+
+
+@dataclasses.dataclass
+class _Group:
+    gid: int
+    prompt: Any
+    metadata: Any
+    sampling_params: SamplingParams
+    samples: list[Sample | None]
+    finished_at: list[int]  # manager update count when each sample finished
+    for_collect: bool = True
+
+    @property
+    def complete(self) -> bool:
+        return all(s is not None for s in self.samples)
+
+
+class _Closed(RuntimeError):
+    pass
+
+
+class RolloutManager:
+    """Generation for RL: collect GRPO groups, suspend/resume, versioned weight updates."""
+
+    def __init__(
+        self,
+        config: RolloutManagerConfig | None = None,
+        *,
+        model: nn.Module | None = None,
+        tokenizer: Any = None,
+        inference_config: Any = None,
+        engine: Any = None,
+        **overrides: Any,
+    ) -> None:
+        base = config if config is not None else RolloutManagerConfig()
+        self.config = dataclasses.replace(base, **overrides) if overrides else base
+        if engine is None:
+            if model is None:
+                raise ValueError("RolloutManager needs a model (and tokenizer) or an engine")
+            from rollout.engine.config import InferenceConfig
+            from rollout.engine.engine import DynamicInferenceEngine
+
+            engine = DynamicInferenceEngine(
+                model, tokenizer, inference_config or InferenceConfig(), self.config.initial_version
+            )
+        self.engine = engine
+        self.version = int(getattr(engine, "weight_version", self.config.initial_version))
+        self._cv = threading.Condition()
+        self._groups: dict[int, _Group] = {}
+        self._requests: dict[int, tuple[int, int]] = {}  # request id -> (group id, index)
+        self._ready: deque[int] = deque()
+        self._next_rid = 0
+        self._next_gid = 0
+        self._num_updates = 0
+        self._source_obj: Any = None
+        self._source: Iterator | None = None
+        self._source_done = False
+        self._source_n = 1
+        self._source_sp = SamplingParams(return_log_probs=True)
+        self._batch_size = 1
+        self._suspended = False
+        self._closed = False
+        self._error: BaseException | None = None
+        self._counters: dict[str, float] = dict.fromkeys(
+            (
+                "samples_out",
+                "groups_out",
+                "groups_dropped_stale",
+                "samples_regenerated",
+                "samples_failed",
+                "tokens_generated",
+                "engine_steps",
+                "suspends",
+                "kv_bytes_freed_total",
+            ),
+            0,
+        )
+        self._last: dict[str, float] = {}
+        self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
+        self._thread: threading.Thread | None = None
+        if self.config.mode == "async":
+            self._thread = threading.Thread(target=self._run, name="rollout-async", daemon=True)
+            self._thread.start()
+        ref = weakref.ref(self)
+        self._atexit = lambda: (m := ref()) is not None and m.close()
+        atexit.register(self._atexit)
+
+    @classmethod
+    def from_config(
+        cls, cfg: Any, model: nn.Module | None = None, tokenizer: Any = None, **changes: Any
+    ) -> RolloutManager:
+        """Build from a run config (rollout.config RunConfig / DictConfig / dict).
+
+        The engine gets its own copy of `model` (the trainer's; built from the config when
+        None), so training never mutates what the engine serves between updates.
+        """
+        import copy
+
+        from rollout import config as C
+
+        run = C.validate(cfg)
+        if run.rollout.dp != 1:
+            raise NotImplementedError(
+                f"rollout.dp={run.rollout.dp}: engine processes behind the coordinator are not "
+                "wired into RolloutManager yet; use dp=1 (one in-process engine)"
+            )
+        if model is None:
+            model, built_tok, _ = C.build_model_and_tokenizer(run)
+            tokenizer = tokenizer if tokenizer is not None else built_tok
+        elif tokenizer is None:
+            tokenizer = C.build_tokenizer(run)
+        engine_model = copy.deepcopy(model)
+        return cls(
+            C.manager_config(run, **changes),
+            model=engine_model,
+            tokenizer=tokenizer,
+            inference_config=C.inference_config(run),
+        )
+
+    # ------------------------------------------------------------------ public API
+
+    def generate(
+        self, prompts: Iterable[Any], n: int = 1, sampling_params: SamplingParams | None = None
+    ) -> list[Sample]:
+        """Generate n samples per prompt; returns them prompt-major, in input order."""
+        sp = self._sampling_params(sampling_params)
+        _check_n(n)
+        items = list(prompts)
+        gids = self._call(lambda: [self._submit_group(p, n, sp, for_collect=False) for p in items])
+        self._wait(lambda: all(self._groups[g].complete for g in gids))
+        with self._cv:
+            out = [self._hand_out(self._groups.pop(g)) for g in gids]
+        return [s for grp in out for s in grp]
+
+    def collect(
+        self,
+        prompt_source: Iterable[Any],
+        batch_size_groups: int,
+        n: int = 1,
+        reward_fn: RewardFn | None = None,
+        sampling_params: SamplingParams | None = None,
+    ) -> list[Sample]:
+        """Return `batch_size_groups` complete groups of n samples (group-contiguous, flat).
+
+        Prompts are pulled from `prompt_source` (str, token list, or a dict with "prompt" plus
+        metadata handed to `reward_fn` via `sample.metadata`). Fewer groups come back only when
+        the source is exhausted; an empty list means nothing is left.
+        """
+        if batch_size_groups < 1:
+            raise ValueError(f"batch_size_groups must be >= 1, got {batch_size_groups!r}")
+        _check_n(n)
+        sp = self._sampling_params(sampling_params)
+        self._call(lambda: self._set_source(prompt_source, n, sp, batch_size_groups))
+        batch: list[Sample] = []
+        groups_needed = batch_size_groups
+        while groups_needed:
+            self._wait(lambda k=groups_needed: len(self._ready) >= k or self._exhausted())
+            with self._cv:
+                take = [
+                    self._groups.pop(self._ready.popleft())
+                    for _ in range(min(groups_needed, len(self._ready)))
+                ]
+                for g in take:
+                    fresh = self._filter_stale(g)
+                    if fresh is not None:
+                        batch.extend(fresh)
+                        groups_needed -= 1
+                self._cv.notify_all()  # room for the async thread to submit more
+            if take == [] and self._exhausted_now():
+                break
+        if reward_fn is not None:
+            for s in batch:
+                s.reward = reward_fn(s)
+        return batch
+
+    def suspend(self) -> int:
+        """Free the KV pool for the optimizer (config.suspend_mode). Returns bytes freed."""
+        return self._call(self._do_suspend)
+
+    def resume(self) -> None:
+        self._call(self._do_resume)
+
+    def update_weights(
+        self, source: nn.Module | Mapping[str, torch.Tensor], version: int | None = None
+    ) -> int:
+        """Push new weights into the engine; returns the new version (default: current + 1).
+
+        Runs between engine steps. In-flight requests are checkpointed and their staleness
+        incremented by the engine, which also applies the KV policy and drops stale prefix cache.
+        """
+        new = self.version + 1 if version is None else int(version)
+        if new <= self.version:
+            raise ValueError(f"weight version must increase: got {new}, current {self.version}")
+        sd = as_state_dict(source)
+        return self._call(lambda: self._do_update(sd, new))
+
+    def stats(self) -> dict[str, float]:
+        """Flat metrics under fixed namespaces (rollout/*, staleness/*, weight_sync/*, engine/*)."""
+        with self._cv:
+            inflight = sum(1 for g in self._groups.values() if not g.complete)
+            out = {f"rollout/{k}": v for k, v in self._counters.items()}
+            out.update(
+                {
+                    "rollout/version": self.version,
+                    "rollout/num_updates": self._num_updates,
+                    "rollout/inflight_groups": inflight,
+                    "rollout/ready_groups": len(self._ready),
+                    "rollout/inflight_requests": len(self._requests),
+                    "rollout/suspended": int(self._suspended),
+                }
+            )
+            out.update(self._last)
+        engine_stats = getattr(self.engine, "stats", None)
+        if callable(engine_stats) and not self._closed:
+            for k, v in (self._call(engine_stats) or {}).items():
+                if isinstance(v, (int, float)):
+                    out[k if "/" in k else f"engine/{k}"] = v
+        return out
+
+    def close(self) -> None:
+        """Stop generating and release the engine; idempotent, safe from atexit."""
+        if self._closed:
+            return
+        if self._thread is not None and self._thread.is_alive():
+            with self._cv:
+                self._closed = True
+                self._cv.notify_all()
+            self._thread.join(timeout=30)
+        self._closed = True
+        with self._cv:
+            for _fn, fut in self._commands:
+                fut.set_exception(_Closed("RolloutManager closed"))
+            self._commands.clear()
+            self._cv.notify_all()
+        for rid in list(self._requests):
+            abort = getattr(self.engine, "abort", None)
+            if abort is not None:
+                with contextlib.suppress(Exception):  # best effort at shutdown
+                    abort(rid)
+        self._requests.clear()
+        self._groups.clear()
+        self._ready.clear()
+        atexit.unregister(self._atexit)
+
+    def __enter__(self) -> RolloutManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def suspended(self) -> bool:
+        return self._suspended
+
+    # ------------------------------------------------------------------ commands
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` with exclusive access to the engine: inline, or between two async steps."""
+        if self._closed:
+            raise RuntimeError("RolloutManager is closed")
+        if self._thread is None:
+            return fn()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            if self._error is not None:
+                raise RuntimeError("rollout thread failed") from self._error
+            self._commands.append((fn, fut))
+            self._cv.notify_all()
+        return fut.result(timeout=self.config.collect_timeout_s)
+
+    def _do_suspend(self) -> int:
+        if self._suspended:
+            return 0
+        t0 = time.perf_counter()
+        freed = int(self.engine.suspend(self.config.suspend_mode) or 0)
+        self._suspended = True
+        self._counters["suspends"] += 1
+        self._counters["kv_bytes_freed_total"] += freed
+        self._last["engine/suspend_s"] = time.perf_counter() - t0
+        self._last["engine/kv_bytes_freed"] = freed
+        return freed
+
+    def _do_resume(self) -> None:
+        if not self._suspended:
+            return
+        t0 = time.perf_counter()
+        self.engine.resume()
+        self._suspended = False
+        self._last["engine/resume_s"] = time.perf_counter() - t0
+
+    def _do_update(self, sd: dict[str, torch.Tensor], version: int) -> int:
+        if version <= self.version:
+            raise ValueError(f"weight version must increase: got {version}, current {self.version}")
+        model = getattr(self.engine, "model", None)
+        if isinstance(model, nn.Module):  # validate all before touching anything
+            check_compatible(  # strict: a forgotten tensor would silently serve old weights
+                dict(model.state_dict(keep_vars=True)),
+                {k: (v.dtype, tuple(v.shape)) for k, v in sd.items()},
+                allow_cast=True,
+            )
+        t0 = time.perf_counter()
+        self.engine.update_weights(sd, version)
+        dt = time.perf_counter() - t0
+        nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+        with self._cv:
+            self.version = version
+            self._num_updates += 1
+            self._last.update(
+                {
+                    "weight_sync/seconds": dt,
+                    "weight_sync/bytes": nbytes,
+                    "weight_sync/gbps": nbytes / max(dt, 1e-12) / 1e9,
+                }
+            )
+        return version
+
+    # ------------------------------------------------------------------ generation core
+
+    def _sampling_params(self, sp: SamplingParams | None) -> SamplingParams:
+        sp = sp if sp is not None else SamplingParams()
+        if not isinstance(sp, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
+        return sp if sp.return_log_probs else sp.replace(return_log_probs=True)
+
+    def _set_source(self, source: Iterable[Any], n: int, sp: SamplingParams, batch: int) -> None:
+        if source is not self._source_obj:
+            self._source_obj, self._source, self._source_done = source, iter(source), False
+        self._source_n, self._source_sp, self._batch_size = n, sp, batch
+
+    def _inflight_cap(self) -> int:
+        cap = self.config.max_inflight_groups
+        return int(cap) if cap is not None else 2 * self._batch_size
+
+    def _refill(self) -> None:
+        """Submit groups from the source until in-flight + ready reaches the cap."""
+        if self._source is None or self._source_done or self._suspended:
+            return
+        while self._num_collect_groups() < self._inflight_cap():
+            try:
+                item = next(self._source)
+            except StopIteration:
+                self._source_done = True
+                return
+            self._submit_group(item, self._source_n, self._source_sp)
+
+    def _submit_group(self, item: Any, n: int, sp: SamplingParams, for_collect: bool = True) -> int:
+        if self._suspended:
+            raise RuntimeError("RolloutManager is suspended: call resume() before generating")
+        prompt, meta = item, None
+        if isinstance(item, Mapping):  # {"prompt": ..., "sampling_params": ..., **metadata}
+            prompt = item.get("prompt")
+            meta = {k: v for k, v in item.items() if k not in ("prompt", "sampling_params")}
+            if item.get("sampling_params") is not None:
+                sp = self._sampling_params(item["sampling_params"])
+        if prompt is None:
+            raise ValueError(f"prompt source item has no prompt: {item!r:.200}")
+        gid = self._next_gid
+        self._next_gid += 1
+        g = _Group(gid, prompt, meta, sp, [None] * n, [0] * n, for_collect)
+        with self._cv:
+            self._groups[gid] = g
+        for i in range(n):
+            self._submit_sample(g, i)
+        return gid
+
+    def _submit_sample(self, g: _Group, index: int) -> None:
+        sp = g.sampling_params
+        if sp.seed is not None:  # distinct, reproducible streams per sample
+            sp = sp.replace(
+                seed=(sp.seed * 1_000_003 + g.gid * 1009 + index * 7919 + self._next_rid) % 2**31
+            )
+        rid = self._next_rid
+        self._next_rid += 1
+        self._requests[rid] = (g.gid, index)
+        self.engine.add_request(rid, g.prompt, sp)
+
+    def _step(self) -> None:
+        out = self.engine.step()
+        self._counters["engine_steps"] += 1
+        for record in out.finished:
+            self._on_finished(record)
+
+    def _on_finished(self, record: Any) -> None:
+        gid, index = self._requests.pop(record.request_id)
+        g = self._groups.get(gid)
+        if g is None:  # group dropped meanwhile
+            return
+        req = record.merge()
+        s = sample_from_request(req, gid, index, g.metadata)
+        self._counters["tokens_generated"] += len(s.completion_tokens)
+        self._counters["samples_failed"] += int(s.failed)
+        with self._cv:
+            g.samples[index] = s
+            g.finished_at[index] = self._num_updates
+            if g.complete and g.for_collect:
+                self._ready.append(gid)
+            self._cv.notify_all()
+
+    def _hand_out(self, g: _Group) -> list[Sample]:
+        for s, at in zip(g.samples, g.finished_at, strict=True):
+            s.age(self._num_updates - at)
+        return list(g.samples)
+
+    def _filter_stale(self, g: _Group) -> list[Sample] | None:
+        """Age the group to now; None if it went back for regeneration or was dropped."""
+        samples = self._hand_out(g)
+        bound = self.config.max_staleness
+        stale = [s.index for s in samples if bound is not None and s.max_policy_staleness > bound]
+        if not stale:
+            self._counters["groups_out"] += 1
+            self._counters["samples_out"] += len(samples)
+            self._record_staleness(samples)
+            return samples
+        if self.config.stale_policy == "drop":
+            self._counters["groups_dropped_stale"] += 1
+            return None
+        for i in stale:  # regenerate only the stale members; the group waits for them
+            g.samples[i] = None
+            self._counters["samples_regenerated"] += 1
+        g.finished_at = [self._num_updates] * len(g.samples)
+        self._groups[g.gid] = g
+        self._call_later(lambda: [self._submit_sample(g, i) for i in stale])
+        return None
+
+    def _record_staleness(self, samples: list[Sample]) -> None:
+        pol = [x for s in samples for x in s.policy_staleness]
+        kv = [x for s in samples for x in s.kv_staleness]
+        if pol:
+            self._last["staleness/policy_token_mean"] = sum(pol) / len(pol)
+            self._last["staleness/policy_max"] = max(pol)
+            self._last["staleness/kv_token_mean"] = sum(kv) / len(kv)
+            self._last["staleness/kv_max"] = max(kv)
+            self._last["staleness/versions_per_sample_max"] = max(
+                len(s.weight_versions) for s in samples
+            )
+
+    def _call_later(self, fn: Callable[[], Any]) -> None:
+        """Queue engine work from inside a `_cv` section (runs before the next step)."""
+        self._commands.append((fn, concurrent.futures.Future()))
+        self._cv.notify_all()
+
+    def _exhausted(self) -> bool:
+        """Nothing more can become ready: source done and no collect group in flight."""
+        return self._source_done and not any(
+            g.for_collect and not g.complete for g in self._groups.values()
+        )
+
+    def _exhausted_now(self) -> bool:
+        with self._cv:
+            return self._exhausted() and not self._ready
+
+    def _run_commands(self) -> None:
+        while True:
+            with self._cv:
+                if not self._commands:
+                    return
+                fn, fut = self._commands.popleft()
+            try:
+                fut.set_result(fn())
+            except BaseException as e:
+                fut.set_exception(e)
+
+    def _wait(self, done: Callable[[], bool]) -> None:
+        """Block until `done()`: drive the engine inline, or wait for the async thread."""
+        deadline = time.monotonic() + self.config.collect_timeout_s
+        if self._thread is None:
+            while True:
+                self._run_commands()
+                with self._cv:
+                    if done():
+                        return
+                if self._suspended:
+                    raise RuntimeError(
+                        "RolloutManager is suspended: call resume() before generating"
+                    )
+                self._refill()
+                if not self.engine.has_unfinished_requests():
+                    with self._cv:
+                        if done() or self._exhausted():
+                            return
+                    raise RuntimeError("engine idle but the requested samples never finished")
+                self._step()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no result within {self.config.collect_timeout_s}s")
+        with self._cv:
+            self._cv.notify_all()
+            ok = self._cv.wait_for(
+                lambda: done() or self._error is not None or self._closed or self._suspended,
+                timeout=self.config.collect_timeout_s,
+            )
+            if not done() and self._suspended:
+                raise RuntimeError("RolloutManager is suspended: call resume() before generating")
+            if self._error is not None:
+                raise RuntimeError("rollout thread failed") from self._error
+            if self._closed:
+                raise RuntimeError("RolloutManager closed while waiting")
+            if not ok:
+                raise TimeoutError(f"no result within {self.config.collect_timeout_s}s")
+
+    def _run(self) -> None:
+        """Async mode: the only thread that touches the engine."""
+        try:
+            while True:
+                self._run_commands()
+                with self._cv:
+                    if self._closed:
+                        return
+                    busy = not self._suspended and (
+                        self.engine.has_unfinished_requests() or self._can_refill()
+                    )
+                    if not busy and not self._commands:
+                        self._cv.wait()
+                        continue
+                if busy:
+                    self._refill()
+                    if self.engine.has_unfinished_requests():
+                        self._step()
+        except BaseException as e:
+            with self._cv:
+                self._error = e
+                for _, fut in self._commands:
+                    fut.set_exception(e)
+                self._commands.clear()
+                self._cv.notify_all()
+
+    def _can_refill(self) -> bool:
+        return (
+            self._source is not None
+            and not self._source_done
+            and self._num_collect_groups() < self._inflight_cap()
+        )
+
+    def _num_collect_groups(self) -> int:
+        with self._cv:
+            return sum(1 for g in self._groups.values() if g.for_collect)
+
+
+def _check_n(n: int) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n (samples per prompt) must be an int >= 1, got {n!r}")

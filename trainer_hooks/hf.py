@@ -1,0 +1,39 @@
+"""Hugging Face `TrainerCallback` that drives a RolloutManager (extra: `hf`).
+
+Maps Trainer events onto `RolloutHooks`: on_step_begin -> resume, on_pre_optimizer_step ->
+suspend (colocated), on_step_end -> update_weights(model). The Trainer's own loss (e.g. a
+`compute_loss` override) calls `manager.collect()`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import TrainerCallback
+
+from rollout.manager import RolloutManager
+from trainer_hooks.hooks import RolloutHooks
+
+
+class RolloutCallback(TrainerCallback):
+    def __init__(self, manager: RolloutManager, **hook_kwargs: Any) -> None:
+        self.hooks = RolloutHooks(manager, **hook_kwargs)
+
+    @property
+    def manager(self) -> RolloutManager:
+        return self.hooks.manager
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.hooks.on_train_start(model)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.hooks.on_step_start(state.global_step)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.hooks.on_before_optimizer(state.global_step)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.hooks.on_step_end(state.global_step, model)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.hooks.on_train_end()

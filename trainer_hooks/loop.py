@@ -1,0 +1,93 @@
+"""A plain PyTorch GRPO loop around a RolloutManager: collect -> loss -> optimizer -> sync.
+
+`grpo_loss` is the default loss: group-normalised advantages, the trainer's log-probs from
+`model.forward`, PPO-clip around the detached current policy and TIS against the engine's
+behaviour log-probs (trainer_hooks.losses). Bring your own `loss_fn(model, samples) -> (loss,
+metrics)` for anything else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from rollout.manager import RolloutManager
+from rollout.samples import Sample, collate
+from trainer_hooks.hooks import RolloutHooks
+from trainer_hooks.losses import group_advantages, policy_loss, sequence_log_probs
+
+LossFn = Callable[[nn.Module, list[Sample]], tuple[torch.Tensor, dict[str, float]]]
+
+
+def grpo_loss(
+    model: nn.Module,
+    samples: list[Sample],
+    n: int,
+    pad_id: int = 0,
+    tis_cap: float | None = 2.0,
+    max_staleness: int | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GRPO loss on a group-contiguous batch (what `RolloutManager.collect` returns)."""
+    batch = collate(samples, pad_id)
+    if "rewards" not in batch:
+        raise ValueError("grpo_loss needs numeric rewards on every sample (pass a reward_fn)")
+    device = next(model.parameters()).device
+    batch = {k: v.to(device) for k, v in batch.items()}
+    logits = model(batch["tokens"])
+    new = sequence_log_probs(logits, batch["tokens"], batch["completion_mask"])
+    adv = group_advantages(batch["rewards"], n).to(device)
+    loss, metrics = policy_loss(
+        new,
+        new.detach(),
+        adv,
+        batch["completion_mask"],
+        behaviour_logp=batch["behaviour_logp"],
+        tis_cap=tis_cap,
+        staleness=batch["policy_staleness"],
+        max_staleness=max_staleness,
+    )
+    metrics["train/reward_mean"] = float(batch["rewards"].mean())
+    return loss, metrics
+
+
+def train(
+    manager: RolloutManager,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    prompts: Iterable[Any],
+    num_steps: int,
+    batch_size_groups: int,
+    n: int,
+    reward_fn: Callable[[Sample], float],
+    sampling_params: Any = None,
+    loss_fn: LossFn | None = None,
+    hooks: RolloutHooks | None = None,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
+) -> list[dict[str, float]]:
+    """Run `num_steps` RL steps; returns one metrics dict per step (train/*, rollout/*, ...)."""
+    hooks = hooks or RolloutHooks(manager, model)
+    loss_fn = loss_fn or (lambda m, s: grpo_loss(m, s, n))
+    history: list[dict[str, float]] = []
+    hooks.on_train_start(model)
+    try:
+        for step in range(num_steps):
+            hooks.on_step_start(step)
+            samples = manager.collect(prompts, batch_size_groups, n, reward_fn, sampling_params)
+            if not samples:
+                break
+            loss, metrics = loss_fn(model, samples)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            hooks.on_before_optimizer(step)
+            optimizer.step()
+            hooks.on_step_end(step, model)
+            metrics = {"train/loss": float(loss.detach()), **metrics, **hooks.metrics}
+            history.append(metrics)
+            if on_step is not None:
+                on_step(step, metrics)
+    finally:
+        hooks.on_train_end()
+    return history
