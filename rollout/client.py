@@ -1,0 +1,405 @@
+"""InferenceClient: an asyncio DEALER that submits requests and lifecycle signals to the coordinator.
+
+Every request returns an `asyncio.Future` resolved by a background receive task (no polling
+sleeps: it awaits the socket). Control methods return awaitables that resolve only when the
+coordinator has collected every live engine's ack, and raise `ControlError` when it refuses the
+transition. Token prompts go on the wire packed (int32 bytes), never as msgpack lists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from rollout.protocol import (
+    CONTROL_HEADERS,
+    Headers,
+    ProtocolError,
+    decode,
+    encode,
+    pack_obj,
+    pack_tokens,
+    unpack_floats,
+    unpack_obj,
+    unpack_tokens,
+)
+from rollout.request import DynamicInferenceRequestRecord
+from rollout.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class ClientError(RuntimeError):
+    """Base of the errors a client future can carry."""
+
+
+class RequestFailed(ClientError):
+    """The coordinator failed the request (no live engine, refused, shut down...)."""
+
+
+class RequestAborted(ClientError):
+    """The request was aborted before any engine produced a record for it."""
+
+
+class ControlError(ClientError):
+    """The coordinator refused a control signal (invalid transition or bad argument)."""
+
+
+class ClientStopped(ClientError):
+    """The client stopped (or lost the coordinator) while this was still pending."""
+
+
+@dataclass(slots=True)
+class Partial:
+    """Newly streamed tokens of one request (log-probs empty unless requested)."""
+
+    tokens: list[int]
+    log_probs: list[float]
+    extra: Any = None
+
+
+_DONE = object()
+
+
+class RequestFuture(asyncio.Future):
+    """A Future that knows its client request id (so abort() can take it)."""
+
+    request_id: int
+
+
+class InferenceClient:
+    def __init__(
+        self,
+        address: str,
+        auth_token: str | None = None,
+        handshake_timeout: float = 10.0,
+        coordinator_timeout: float = 60.0,
+    ):
+        if handshake_timeout <= 0 or coordinator_timeout <= 0:
+            raise ValueError("handshake_timeout and coordinator_timeout must be > 0")
+        self.address = address
+        self.auth_token = auth_token
+        self.handshake_timeout = handshake_timeout
+        self.coordinator_timeout = coordinator_timeout
+        self.client_id: int | None = None
+        self.num_engines = 0
+        self.heartbeat_s = 1.0
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._handshake: asyncio.Future | None = None
+        self._started = False
+        self._ids = itertools.count(1)
+        self._futures: dict[int, asyncio.Future] = {}
+        self._streams: dict[int, asyncio.Queue] = {}
+        self._submit_time: dict[int, float] = {}
+        self._controls: dict[int, asyncio.Future] = {}
+        self._stats: dict[int, asyncio.Future] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._last_recv = 0.0
+        self._stopped = False
+        self.errors: list[str] = []  # ERRORs not tied to a pending future (kept for inspection)
+
+    # ---- connection ---------------------------------------------------------------------
+
+    async def start(self) -> InferenceClient:
+        """Connect and handshake; ConnectionError on timeout, PermissionError if refused."""
+        self._loop = asyncio.get_running_loop()
+        self._ctx = zmq.Context()
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.connect(self.address)
+        self._sock = sock
+        self._handshake = self._loop.create_future()
+        # A plain socket watched by the event loop: sends and receive-drains are direct calls,
+        # with none of zmq.asyncio's per-message futures (which cost more than the message).
+        self._loop.add_reader(sock.FD, self._on_readable)
+        self._send(encode(Headers.CONNECT, self.auth_token), _starting=True)
+        try:
+            header, fields = await asyncio.wait_for(self._handshake, self.handshake_timeout)
+        except asyncio.TimeoutError:
+            self._close_socket()
+            raise ConnectionError(
+                f"no CONNECT_ACK from coordinator at {self.address} "
+                f"within {self.handshake_timeout}s"
+            ) from None
+        if header is Headers.ERROR:
+            self._close_socket()
+            raise PermissionError(f"coordinator refused the connection: {fields[2]}")
+        if header is not Headers.CONNECT_ACK:
+            self._close_socket()
+            raise ConnectionError(f"bad handshake reply from coordinator: {header.name}")
+        self.client_id, self.num_engines, self.heartbeat_s = fields
+        self._last_recv = time.monotonic()
+        self._started = True
+        self._tasks = [asyncio.create_task(self._heartbeat_loop())]
+        return self
+
+    def _send(self, frame: bytes, _starting: bool = False) -> None:
+        if self._sock is None or self._stopped or not (self._started or _starting):
+            raise ClientStopped("client is not started or already stopped")
+        self._sock.send(frame, zmq.NOBLOCK)  # SNDHWM=0: never blocks
+        self._kick()
+
+    def _kick(self) -> None:
+        """zmq's FD is edge-triggered and any socket call may consume the edge: if input is
+        already queued, drain it on the next loop iteration instead of waiting for a new edge."""
+        if self._sock is not None and self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._loop.call_soon(self._on_readable)
+
+    def _on_readable(self) -> None:
+        sock = self._sock
+        while sock is not None and not sock.closed:
+            try:
+                frame = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._last_recv = time.monotonic()
+            try:
+                header, fields = decode(frame)
+            except ProtocolError as e:
+                log.warning("client dropped malformed frame: %s", e)
+                continue
+            if not self._handshake.done():
+                self._handshake.set_result((header, fields))
+                continue
+            try:
+                self._dispatch(header, fields)
+            except Exception:
+                log.exception("client failed to handle %s", header.name)
+            sock = self._sock
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def add_request(
+        self, prompt: Any, sampling_params: SamplingParams | None = None, *, _stream: bool = False
+    ) -> asyncio.Future:
+        """Submit one prompt (str or token ids); a Future of its DynamicInferenceRequestRecord."""
+        sp = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(sp, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
+        if isinstance(prompt, str):
+            wire_prompt: str | bytes = prompt
+        else:
+            wire_prompt = pack_tokens(prompt)
+        if not wire_prompt:
+            raise ValueError("prompt must not be empty")
+        crid = next(self._ids)
+        frame = encode(
+            Headers.SUBMIT_REQUEST,
+            crid,
+            wire_prompt,
+            pack_obj(sp.serialize()),
+            sp.num_tokens_to_generate,
+            _stream,
+        )
+        fut = RequestFuture(loop=asyncio.get_running_loop())
+        fut.request_id = crid
+        self._futures[crid] = fut
+        self._submit_time[crid] = time.monotonic()
+        if _stream:
+            self._streams[crid] = asyncio.Queue()
+        self._send(frame)
+        return fut
+
+    async def stream(
+        self, prompt: Any, sampling_params: SamplingParams | None = None
+    ) -> AsyncIterator[Partial | DynamicInferenceRequestRecord]:
+        """Yield Partial chunks as tokens arrive, then the final record. Leaving early aborts."""
+        fut = self.add_request(prompt, sampling_params, _stream=True)
+        crid = fut.request_id
+        queue = self._streams[crid]
+        try:
+            while True:
+                item = await queue.get()
+                if item is _DONE:
+                    break
+                yield item
+            yield await fut
+        finally:
+            self._streams.pop(crid, None)
+            if not fut.done() and not self._stopped:
+                self.abort(crid)
+
+    def abort(self, request: asyncio.Future | int) -> None:
+        """Ask the owning engine to finish the request now; its future still resolves."""
+        crid = request if isinstance(request, int) else getattr(request, "request_id", None)
+        if crid is None:
+            raise ValueError("abort() takes a request id or a future from add_request()")
+        if crid in self._futures:
+            self._send(encode(Headers.ABORT_REQUEST, crid))
+
+    # ---- control ------------------------------------------------------------------------
+
+    def _control(self, header: Headers, *args: Any) -> asyncio.Future:
+        cid = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._controls[cid] = fut
+        self._send(encode(header, cid, *args))
+        return fut
+
+    def pause_engines(self) -> asyncio.Future:
+        return self._control(Headers.PAUSE)
+
+    def unpause_engines(self) -> asyncio.Future:
+        return self._control(Headers.UNPAUSE)
+
+    def suspend_engines(self, mode: str = "offload") -> asyncio.Future:
+        return self._control(Headers.SUSPEND, mode)
+
+    def resume_engines(self) -> asyncio.Future:
+        return self._control(Headers.RESUME)
+
+    def stop_engines(self) -> asyncio.Future:
+        return self._control(Headers.STOP)
+
+    def set_weight_version(self, version: int) -> asyncio.Future:
+        return self._control(Headers.SET_WEIGHT_VERSION, int(version))
+
+    def stats(self) -> asyncio.Future:
+        """The coordinator's counters, state and per-engine load."""
+        sid = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._stats[sid] = fut
+        self._send(encode(Headers.STATS, sid))
+        return fut
+
+    def shutdown_coordinator(self) -> None:
+        """Tell the coordinator process to exit (engines are told too)."""
+        self._send(encode(Headers.SHUTDOWN))
+
+    # ---- receive side -------------------------------------------------------------------
+
+    def _dispatch(self, header: Headers, fields: list) -> None:
+        if header is Headers.REPLY:
+            for crid, blob in fields[0]:
+                self._resolve(crid, blob)
+        elif header is Headers.REPLY_PARTIAL:
+            for crid, tokens, log_probs, extra in fields[0]:
+                q = self._streams.get(crid)
+                if q is not None:
+                    q.put_nowait(
+                        Partial(
+                            unpack_tokens(tokens),
+                            unpack_floats(log_probs),
+                            None if extra is None else unpack_obj(extra),
+                        )
+                    )
+        elif header is Headers.CONTROL_ACK:
+            fut = self._controls.pop(fields[0], None)
+            if fut is not None and not fut.done():
+                fut.set_result(fields[2])
+        elif header is Headers.STATS_REPLY:
+            fut = self._stats.pop(fields[0], None)
+            if fut is not None and not fut.done():
+                fut.set_result(fields[1])
+        elif header is Headers.ERROR:
+            self._on_error(*fields)
+        elif header is not Headers.HEARTBEAT:
+            log.warning("client ignored unexpected %s", header.name)
+
+    def _resolve(self, crid: int, blob: bytes) -> None:
+        fut = self._futures.pop(crid, None)
+        t0 = self._submit_time.pop(crid, None)
+        self._finish_stream(crid)
+        if fut is None or fut.done():
+            return
+        try:
+            record = DynamicInferenceRequestRecord.from_bytes(blob)
+        except ValueError as e:
+            fut.set_exception(RequestFailed(f"request {crid}: undecodable record: {e}"))
+            return
+        if t0 is not None:
+            record.latency = time.monotonic() - t0
+        fut.set_result(record)
+
+    def _finish_stream(self, crid: int) -> None:
+        q = self._streams.get(crid)
+        if q is not None:
+            q.put_nowait(_DONE)
+
+    def _on_error(self, ref_header: int | None, ref_id: int | None, message: str) -> None:
+        if ref_header in (Headers.SUBMIT_REQUEST, Headers.ABORT_REQUEST):
+            fut = self._futures.get(ref_id)
+            if fut is not None and (ref_header == Headers.SUBMIT_REQUEST or "aborted" in message):
+                self._futures.pop(ref_id)
+                self._submit_time.pop(ref_id, None)
+                self._finish_stream(ref_id)
+                if not fut.done():
+                    exc = RequestFailed if ref_header == Headers.SUBMIT_REQUEST else RequestAborted
+                    fut.set_exception(exc(f"request {ref_id}: {message}"))
+                return
+        elif ref_header in CONTROL_HEADERS:
+            fut = self._controls.pop(ref_id, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(ControlError(f"{Headers(ref_header).name}: {message}"))
+                return
+        self.errors.append(message)
+        if ref_header is None and message.startswith("unknown peer"):
+            # the coordinator dropped us (it thought we vanished): nothing pending will resolve
+            self._fail_all(ClientStopped(f"coordinator no longer knows this client: {message}"))
+        log.warning("coordinator error: %s", message)
+
+    async def _heartbeat_loop(self) -> None:
+        hb = encode(Headers.HEARTBEAT, {})
+        while True:
+            await asyncio.sleep(self.heartbeat_s)  # a timer, not a poll: receives never wait on it
+            if time.monotonic() - self._last_recv > self.coordinator_timeout:
+                self._fail_all(ClientStopped(f"coordinator at {self.address} stopped answering"))
+            with contextlib.suppress(zmq.ZMQError):
+                self._send(hb)
+
+    # ---- teardown -----------------------------------------------------------------------
+
+    def pending(self) -> int:
+        return len(self._futures)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for table in (self._futures, self._controls, self._stats):
+            for fut in table.values():
+                if not fut.done():
+                    fut.set_exception(type(exc)(*exc.args))
+            table.clear()
+        for crid in list(self._streams):
+            self._finish_stream(crid)
+        self._submit_time.clear()
+
+    def stop(self) -> None:
+        """Fail everything pending with ClientStopped, say goodbye, close the socket."""
+        if self._stopped:
+            return
+        if self._sock is not None and self._started:
+            with contextlib.suppress(zmq.ZMQError, ClientStopped):
+                self._send(encode(Headers.DISCONNECT))
+        self._stopped = True
+        self._fail_all(ClientStopped("client stopped before the reply arrived"))
+        for t in self._tasks:
+            t.cancel()
+        self._tasks = []
+        self._close_socket()
+
+    def _close_socket(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(Exception):  # loop may already be closed
+                self._loop.remove_reader(self._sock.FD)
+            self._sock.close(linger=100)  # let DISCONNECT leave
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    async def __aenter__(self) -> InferenceClient:
+        return await self.start()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.stop()

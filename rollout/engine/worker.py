@@ -1,0 +1,403 @@
+"""EngineWorker: runs one DynamicInferenceEngine behind the coordinator, in its own process.
+
+Each loop iteration drains every waiting message without blocking (a busy engine never waits on
+the socket), applies them in arrival order — submissions, aborts, and control signals, which
+therefore land between steps — acks each control signal, runs one engine step, then sends that
+step's partials and finished records as one batched message each. When idle it blocks in zmq poll
+until a message or the next heartbeat is due. Heartbeats carry the engine's load; silence from
+the coordinator for `coordinator_timeout_s` means it is gone and the worker exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from rollout.protocol import (
+    Headers,
+    ProtocolError,
+    decode,
+    encode,
+    pack_floats,
+    pack_hashes,
+    pack_tokens,
+    unpack_floats,
+    unpack_obj,
+    unpack_tokens_array,
+)
+from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord, Status
+from rollout.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineWorker:
+    def __init__(
+        self,
+        engine: Any,
+        address: str,
+        rank: int = 0,
+        auth_token: str | None = None,
+        capacity: int | None = None,
+        coordinator_timeout_s: float = 30.0,
+        register_timeout_s: float = 30.0,
+    ):
+        self.engine = engine
+        self.address = address
+        self.rank = rank
+        self.auth_token = auth_token
+        cfg = getattr(engine, "config", None)
+        self.block_size = int(getattr(cfg, "block_size", 16))
+        self.capacity = capacity if capacity is not None else int(getattr(cfg, "max_requests", 0))
+        self.coordinator_timeout_s = coordinator_timeout_s
+        self.register_timeout_s = register_timeout_s
+        self.heartbeat_s = 1.0
+        self.paused = False
+        self.suspended: str | None = None
+        self.weight_version = int(getattr(engine, "weight_version", 0))
+        self.active: set[int] = set()  # request ids the coordinator believes we own
+        self.running = False
+        self.counters = {"steps": 0, "requests": 0, "replies": 0, "partials": 0, "acks": 0}
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.connect(address)
+        self._last_recv = time.monotonic()
+        self._next_hb = 0.0
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    def register(self) -> None:
+        """ENGINE_REGISTER and wait for the ack; adopt the coordinator's lifecycle state."""
+        self._send(
+            Headers.ENGINE_REGISTER,
+            self.rank,
+            self.capacity,
+            self.weight_version,
+            self.auth_token,
+            self.block_size,
+        )
+        deadline = time.monotonic() + self.register_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(int(left * 1000)):
+                raise ConnectionError(
+                    f"engine rank {self.rank}: no ENGINE_REGISTER_ACK from {self.address} "
+                    f"within {self.register_timeout_s}s"
+                )
+            header, fields = decode(self.sock.recv())
+            if header is Headers.ERROR:
+                raise PermissionError(f"engine rank {self.rank} refused: {fields[2]}")
+            if header is Headers.ENGINE_REGISTER_ACK:
+                _, self.heartbeat_s, state = fields
+                self.paused = state != "RUNNING"
+                self._last_recv = time.monotonic()
+                return
+
+    def run(self) -> None:
+        """Register, then serve until STOP/SHUTDOWN or the coordinator goes silent."""
+        try:
+            self.register()
+            self.running = True
+            while self.running:
+                busy = not self.paused and self.engine.has_unfinished_requests()
+                now = time.monotonic()
+                wait_ms = 0 if busy else max(0, int((self._next_hb - now) * 1000)) + 1
+                if self.sock.poll(wait_ms):
+                    self._drain()
+                if not self.running:
+                    break
+                idle = self.paused or self.suspended is not None
+                if not idle and self.engine.has_unfinished_requests():
+                    self._step()
+                self._heartbeat()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.sock.closed:
+            return
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.send(encode(Headers.DISCONNECT), zmq.NOBLOCK)
+        self.sock.close(linger=200)
+        self.ctx.term()
+
+    # ---- messages -----------------------------------------------------------------------
+
+    def _send(self, header: Headers, *fields: Any) -> None:
+        self.sock.send(encode(header, *fields))
+
+    def _drain(self) -> None:
+        while self.running:
+            try:
+                frame = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._last_recv = time.monotonic()
+            try:
+                header, fields = decode(frame)
+            except ProtocolError as e:
+                log.warning("engine rank %d dropped malformed frame: %s", self.rank, e)
+                continue
+            self._handle(header, fields)
+
+    def _handle(self, header: Headers, fields: list) -> None:
+        if header is Headers.DISPATCH_REQUEST:
+            self._add(*fields)
+        elif header is Headers.ABORT_REQUEST:
+            self.engine.abort(fields[0])
+        elif header in _CONTROL:
+            self._control(header, fields)
+        elif header is Headers.SHUTDOWN:
+            self.running = False
+        elif header is Headers.ERROR:
+            self._on_error(fields[2])
+        elif header is not Headers.HEARTBEAT:
+            log.warning("engine rank %d ignored %s", self.rank, header.name)
+
+    def _on_error(self, message: str) -> None:
+        if message.startswith("unknown peer"):
+            # The coordinator gave up on us (timeout) and re-dispatched our requests elsewhere:
+            # drop them here and join again with a clean slate.
+            for rid in list(self.active):
+                self.engine.abort(rid)
+            self.active.clear()
+            log.warning(
+                "engine rank %d was forgotten by the coordinator; re-registering", self.rank
+            )
+            self.register()
+        else:
+            log.warning("engine rank %d: coordinator error: %s", self.rank, message)
+
+    def _add(self, rid, prompt, sp_bytes, hashes, resume_tokens, resume_log_probs, stream) -> None:
+        self.counters["requests"] += 1
+        try:
+            sp = SamplingParams.deserialize(unpack_obj(sp_bytes))
+            tokens = (
+                torch.from_numpy(unpack_tokens_array(prompt).astype(np.int64))
+                if isinstance(prompt, bytes)
+                else prompt
+            )
+            if resume_tokens:
+                record = self._resume_record(rid, tokens, sp, resume_tokens, resume_log_probs)
+                if record.requests[-1].remaining_tokens_to_generate <= 0:
+                    self._send_replies([record])
+                    return
+                self.engine.add_request(rid, record=record)
+            else:
+                self.engine.add_request(rid, tokens, sp)
+            self.active.add(rid)
+        except (ValueError, ProtocolError) as e:
+            self._send_replies([_failed_record(rid, e)])
+
+    def _resume_record(self, rid, tokens, sp, resume_tokens, resume_log_probs):
+        """A record that already holds what the lost engine streamed; the engine continues it."""
+        if isinstance(tokens, str):
+            tokens = torch.tensor(self._tokenize(tokens), dtype=torch.int64)
+        req = DynamicInferenceRequest(
+            request_id=rid,
+            sampling_params=sp,
+            prompt_tokens=tokens,
+            block_size_tokens=self.block_size,
+        )
+        lps = unpack_floats(resume_log_probs)
+        for i, t in enumerate(unpack_tokens_array(resume_tokens).tolist()):
+            req.append_token(t, lps[i] if i < len(lps) else None, None, self.weight_version)
+        req.status = Status.ACTIVE_BUT_NOT_GENERATING_TOKENS
+        if req.remaining_tokens_to_generate <= 0:
+            req.status, req.stop_reason = Status.COMPLETED, "length"
+            req.add_event_finish()
+        return DynamicInferenceRequestRecord.from_request(req)
+
+    def _tokenize(self, text: str) -> list[int]:
+        """Tokenize exactly as the engine does for a new text prompt (BOS included)."""
+        tokenize = getattr(self.engine, "tokenize", None)
+        if tokenize is not None:
+            return list(tokenize(text))
+        from rollout.engine.engine import _tokenize  # same convention as engine.add_request
+
+        if getattr(self.engine, "tokenizer", None) is None:
+            raise ValueError("cannot resume a text prompt: the engine has no tokenizer")
+        return _tokenize(self.engine.tokenizer, text, bos=True)
+
+    def _control(self, header: Headers, fields: list) -> None:
+        seq, info = fields[0], {}
+        if header is Headers.PAUSE:
+            self.paused = True
+        elif header is Headers.UNPAUSE:
+            self.paused = False
+        elif header is Headers.SUSPEND:
+            self.paused = True
+            if self.suspended is None:
+                info["bytes_freed"] = int(self.engine.suspend(fields[1]))
+                self.suspended = fields[1]
+        elif header is Headers.RESUME:
+            if self.suspended is not None:
+                self.engine.resume()
+                self.suspended = None
+        elif header is Headers.SET_WEIGHT_VERSION:
+            self.weight_version = fields[1]
+            info["weight_version"] = fields[1]
+        elif header is Headers.STOP:
+            self.running = False
+        self.counters["acks"] += 1
+        self._send(Headers.CONTROL_ACK, seq, int(header), info)
+
+    # ---- stepping -----------------------------------------------------------------------
+
+    def _step(self) -> None:
+        out = self.engine.step()
+        self.counters["steps"] += 1
+        if out.partials:
+            rows = [
+                [rid, pack_tokens(toks), pack_floats(lps), None]
+                for rid, toks, lps in out.partials
+                if rid in self.active
+            ]
+            if rows:
+                self.counters["partials"] += len(rows)
+                self._send(Headers.REPLY_PARTIAL, rows)
+        if out.finished:
+            self._send_replies(out.finished)
+        evicted = self._pop_evicted()
+        if evicted:
+            self._send(Headers.KV_EVENTS, pack_hashes(evicted), False)
+
+    def _pop_evicted(self) -> list[int]:
+        """Block hashes the engine dropped from its prefix cache since the last call, if it
+        reports them (`pop_evicted_hashes()`); they keep the coordinator's routing table honest."""
+        pop = getattr(self.engine, "pop_evicted_hashes", None)
+        return list(pop()) if pop is not None else []
+
+    def _send_replies(self, records: list) -> None:
+        rows = []
+        for r in records:
+            rid = r.request_id
+            self.active.discard(rid)
+            rows.append([rid, r.to_bytes()])
+        self.counters["replies"] += len(rows)
+        self._send(Headers.REPLY, rows)
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        if now < self._next_hb:
+            return
+        self._next_hb = now + self.heartbeat_s
+        if now - self._last_recv > self.coordinator_timeout_s:
+            log.warning("engine rank %d: coordinator silent, exiting", self.rank)
+            self.running = False
+            return
+        self._send(Headers.HEARTBEAT, _plain(self.engine.load()))
+
+    # ---- process entry ------------------------------------------------------------------
+
+    @classmethod
+    def entrypoint(
+        cls,
+        address: str,
+        rank: int,
+        engine_factory: Callable[..., Any],
+        factory_kwargs: dict | None = None,
+        worker_kwargs: dict | None = None,
+    ) -> None:
+        """Child-process main: build the engine, serve, exit cleanly on SIGTERM."""
+        signal.signal(signal.SIGTERM, _exit_on_signal)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+        torch.set_num_threads(int(os.environ.get("ROLLOUT_ENGINE_THREADS", "1")))
+        engine = engine_factory(**(factory_kwargs or {}))
+        worker = cls(engine, address, rank, **(worker_kwargs or {}))
+        try:
+            worker.run()
+        except SystemExit:
+            worker.close()
+
+    @classmethod
+    def spawn(
+        cls,
+        address: str,
+        rank: int,
+        engine_factory: Callable[..., Any],
+        factory_kwargs: dict | None = None,
+        worker_kwargs: dict | None = None,
+    ) -> mp.Process:
+        """Start a worker in a spawned child process (the factory must be importable)."""
+        proc = mp.get_context("spawn").Process(
+            target=cls.entrypoint,
+            args=(address, rank, engine_factory, factory_kwargs, worker_kwargs),
+            daemon=True,
+            name=f"rollout-engine-{rank}",
+        )
+        proc.start()
+        return proc
+
+
+_CONTROL = frozenset(
+    {
+        Headers.PAUSE,
+        Headers.UNPAUSE,
+        Headers.SUSPEND,
+        Headers.RESUME,
+        Headers.STOP,
+        Headers.SET_WEIGHT_VERSION,
+    }
+)
+
+
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+def _plain(d: dict) -> dict:
+    """msgpack-safe copy of a load dict (numpy/torch scalars -> Python numbers)."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, (bool, int, float, str)) or v is None:
+            out[str(k)] = v
+        elif hasattr(v, "item"):
+            out[str(k)] = v.item()
+    return out
+
+
+def _failed_record(rid: int, error: Exception) -> DynamicInferenceRequestRecord:
+    req = DynamicInferenceRequest(request_id=rid, prompt_tokens=torch.zeros(0, dtype=torch.int64))
+    req.status = Status.FAILED
+    req.add_event_error_nontransient(error)
+    req.add_event_fail()
+    return DynamicInferenceRequestRecord.from_request(req)
+
+
+def build_engine(
+    model: str = "tiny",
+    seed: int = 0,
+    device: str | None = None,
+    dtype: str | None = None,
+    **inference_config: Any,
+) -> Any:
+    """Engine factory for worker processes: "tiny" (random tiny Llama + ByteTokenizer, seeded so
+    every process gets identical weights) or an HF checkpoint directory."""
+    from rollout.engine.config import InferenceConfig, resolve_dtype
+    from rollout.engine.engine import DynamicInferenceEngine
+    from rollout.models import ModelConfig, build_model, load_pretrained
+    from rollout.tokenizers import ByteTokenizer, load_tokenizer
+
+    if model == "tiny":
+        tokenizer = ByteTokenizer()
+        config = ModelConfig.preset("tiny", vocab_size=tokenizer.vocab_size)
+        net = build_model(config, device=device, seed=seed)
+    else:
+        net, _ = load_pretrained(model, device=device or "cpu", dtype=resolve_dtype(dtype))
+        tokenizer = load_tokenizer(model)
+    cfg = InferenceConfig(device=device, dtype=dtype, **inference_config)
+    return DynamicInferenceEngine(net.eval(), tokenizer, cfg)

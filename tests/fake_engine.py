@@ -1,0 +1,238 @@
+"""A model-free DynamicInferenceEngine stand-in for coordinator/worker tests.
+
+Same interface as rollout.engine.engine.DynamicInferenceEngine (add_request with record resume,
+abort, step -> StepOutput, suspend/resume, load, stats). The next token is a pure function of
+the whole context, like greedy decoding, so a request resumed from a checkpoint on another
+engine continues exactly as an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord, Status
+from rollout.sampling import SamplingParams
+
+VOCAB = 1000
+
+
+def next_token(context: list[int]) -> int:
+    """Deterministic 'greedy' continuation of `context`."""
+    return (sum(context[-3:]) * 31 + len(context) * 7) % (VOCAB - 1) + 1
+
+
+def log_prob(token: int) -> float:
+    return -token / VOCAB
+
+
+def expected_tokens(prompt: list[int], n: int, stop_ids: tuple[int, ...] = ()) -> list[int]:
+    ctx, out = list(prompt), []
+    for _ in range(n):
+        t = next_token(ctx)
+        ctx.append(t)
+        out.append(t)
+        if t in stop_ids:
+            break
+    return out
+
+
+@dataclass
+class FakeConfig:
+    block_size: int = 16
+    max_requests: int = 64
+    streaming_interval: int = 0
+    step_delay: float = 0.0  # simulated forward time per step
+
+
+@dataclass
+class StepOutput:
+    finished: list[DynamicInferenceRequestRecord] = field(default_factory=list)
+    partials: list[tuple[int, list[int], list[float]]] = field(default_factory=list)
+
+
+class FakeEngine:
+    def __init__(self, config: FakeConfig | None = None, weight_version: int = 0, **kw: Any):
+        self.config = config or FakeConfig(**kw)
+        self.weight_version = weight_version
+        self.suspended: str | None = None
+        self._active: dict[int, tuple[DynamicInferenceRequestRecord, list[int], int]] = {}
+        self._done: list[DynamicInferenceRequestRecord] = []
+        self.steps = 0
+        self.added: list[int] = []
+        self.evicted: list[int] = []  # tests put block hashes here to simulate cache evictions
+
+    def add_request(
+        self,
+        request_id: int | None,
+        prompt: Any = None,
+        sampling_params: SamplingParams | None = None,
+        record: DynamicInferenceRequestRecord | None = None,
+    ) -> DynamicInferenceRequestRecord:
+        if record is None:
+            if isinstance(prompt, str):
+                tokens = torch.tensor(self.tokenize(prompt), dtype=torch.int64)
+            else:
+                tokens = torch.as_tensor(prompt, dtype=torch.int64)
+            req = DynamicInferenceRequest(
+                request_id=request_id,
+                prompt=prompt if isinstance(prompt, str) else None,
+                sampling_params=sampling_params or SamplingParams(),
+                prompt_tokens=tokens,
+            )
+            record = DynamicInferenceRequestRecord.from_request(req)
+        rid = record.request_id
+        if rid in self._active:
+            raise ValueError(f"request_id {rid} is already in the engine")
+        req = record.requests[-1]
+        if req.generated_tokens and req.remaining_tokens_to_generate > 0:
+            record.checkpoint()
+            req = record.requests[-1]
+        req.status = Status.ACTIVE_AND_GENERATING_TOKENS
+        req.add_event_add_engine()
+        context = req.prompt_tokens.tolist() + list(req.generated_tokens)
+        self._active[rid] = (record, context, len(req.generated_tokens))
+        self.added.append(rid)
+        return record
+
+    def pop_evicted_hashes(self) -> list[int]:
+        out, self.evicted = self.evicted, []
+        return out
+
+    def tokenize(self, text: str) -> list[int]:
+        return [ord(c) % VOCAB for c in text]
+
+    def abort(self, request_id: int) -> bool:
+        entry = self._active.pop(request_id, None)
+        if entry is None:
+            return False
+        self._finish(entry[0], "abort")
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._active) or bool(self._done)
+
+    def _finish(self, record: DynamicInferenceRequestRecord, reason: str) -> None:
+        req = record.requests[-1]
+        req.stop_reason = reason
+        req.status = Status.COMPLETED
+        req.add_event_finish()
+        self._done.append(record)
+
+    def step(self) -> StepOutput:
+        if self.suspended is not None:
+            raise RuntimeError("engine is suspended")
+        out = StepOutput(finished=self._done)
+        self._done = []
+        if self.config.step_delay:
+            time.sleep(self.config.step_delay)  # stands in for the forward pass
+        self.steps += 1
+        interval = self.config.streaming_interval
+        for rid in list(self._active)[: self.config.max_requests]:
+            record, context, streamed = self._active[rid]
+            req = record.requests[-1]
+            sp = req.sampling_params
+            t = next_token(context)
+            context.append(t)
+            req.append_token(t, log_prob(t) if sp.return_log_probs else None, None,
+                             self.weight_version)  # fmt: skip
+            if t in sp.stop_token_ids or req.remaining_tokens_to_generate <= 0:
+                del self._active[rid]
+                self._finish(record, "stop_token" if t in sp.stop_token_ids else "length")
+            elif interval and len(req.generated_tokens) - streamed >= interval:
+                new = req.generated_tokens[streamed:]
+                lps = req.generated_log_probs[streamed:] if sp.return_log_probs else []
+                out.partials.append((rid, list(new), list(lps)))
+                self._active[rid] = (record, context, len(req.generated_tokens))
+        out.finished.extend(self._done)
+        self._done = []
+        return out
+
+    def suspend(self, mode: str = "persist") -> int:
+        if self.suspended is not None:
+            return 0
+        self.suspended = mode
+        return 0 if mode == "persist" else 1024
+
+    def resume(self) -> None:
+        self.suspended = None
+
+    def load(self) -> dict[str, Any]:
+        outstanding = sum(
+            r.requests[-1].remaining_tokens_to_generate for r, _, _ in self._active.values()
+        )
+        return {
+            "waiting": 0,
+            "running": len(self._active),
+            "kv_usage": 0.0,
+            "outstanding_tokens": outstanding,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        return {"steps": self.steps, "weight_version": self.weight_version, **self.load()}
+
+
+def make_fake_engine(**kw: Any) -> FakeEngine:
+    """Module-level factory: picklable for spawned worker processes."""
+    return FakeEngine(FakeConfig(**kw))
+
+
+# ---- in-process harness: coordinator and workers on threads, real sockets --------------------
+
+
+class Harness:
+    """Coordinator + fake-engine workers on threads of this process (real ZMQ sockets)."""
+
+    def __init__(self, **coordinator_config: Any):
+        import threading
+
+        from rollout.coordinator import DataParallelInferenceCoordinator
+
+        cfg = {"heartbeat_s": 0.1, "engine_timeout_s": 1.0, "engine_wait_s": 1.0}
+        cfg.update(coordinator_config)
+        self.coord = DataParallelInferenceCoordinator(**cfg)
+        self.address = self.coord.address
+        self._threading = threading
+        self.thread = threading.Thread(target=self.coord.start, daemon=True)
+        self.thread.start()
+        self.workers: list[Any] = []
+        self.threads: list[Any] = []
+
+    def add_engine(self, rank: int, auth_token: str | None = None, **fake: Any):
+        from rollout.engine.worker import EngineWorker
+
+        engine = FakeEngine(FakeConfig(**fake))
+        worker = EngineWorker(engine, self.address, rank, auth_token=auth_token,
+                              coordinator_timeout_s=5.0)  # fmt: skip
+        t = self._threading.Thread(target=_run_quietly, args=(worker,), daemon=True)
+        t.start()
+        self.workers.append(worker)
+        self.threads.append(t)
+        return worker
+
+    def wait_engines(self, n: int, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        while sum(not e.stopped for e in list(self.coord.engines.values())) < n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {len(self.coord.engines)} of {n} engines registered")
+            time.sleep(0.01)  # waiting on another thread's state, bounded by the deadline
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.running = False
+        for t in self.threads:
+            t.join(5)
+        self.coord._running = False
+        self.thread.join(5)
+        self.coord.stop()
+
+
+def _run_quietly(worker: Any) -> None:
+    """Thread target: a refused registration ends the worker (the test checks it), no traceback."""
+    try:
+        worker.run()
+    except (PermissionError, ConnectionError) as e:
+        worker.error = e

@@ -1,0 +1,195 @@
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollout.protocol import (
+    SCHEMA,
+    Headers,
+    ProtocolError,
+    Rows,
+    decode,
+    encode,
+    pack_floats,
+    pack_hashes,
+    pack_tokens,
+    unpack_floats,
+    unpack_hashes,
+    unpack_tokens,
+)
+
+# One valid example value per schema type, so every header gets a round trip.
+_EXAMPLE = {
+    (int,): 7,
+    (str,): "x",
+    (bytes,): b"\x01\x02",
+    (bool,): True,
+    (dict,): {"a": 1, 2: [1.5, None]},
+    (int, float): 0.25,
+    (int, type(None)): None,
+    (str, type(None)): "tok",
+    (bytes, type(None)): None,
+    (str, bytes): pack_tokens([1, 2, 3]),
+}
+
+
+def _example(types):
+    if isinstance(types, Rows):
+        return [[_example(t) for _, t in types.fields], [_example(t) for _, t in types.fields]]
+    return _EXAMPLE[types]
+
+
+@pytest.mark.parametrize("header", list(Headers), ids=lambda h: h.name)
+def test_round_trip_every_header(header):
+    fields = [_example(t) for _, t in SCHEMA[header]]
+    h, got = decode(encode(header, *fields))
+    assert h is header and got == fields
+
+
+def test_opaque_bytes_payload_survives_unchanged():
+    blob = msgpack.packb({"prompt_tokens": list(range(5))}, use_bin_type=True)
+    h, f = decode(encode(Headers.REPLY, [[3, blob], [4, b""]]))
+    assert h is Headers.REPLY and f == [[[3, blob], [4, b""]]]
+
+
+@pytest.mark.parametrize(
+    "frame, match",
+    [
+        (b"", "empty frame"),
+        (b"\xc1", "invalid msgpack"),
+        (msgpack.packb({"a": 1}), "non-empty msgpack array"),
+        (msgpack.packb([]), "non-empty msgpack array"),
+        (msgpack.packb([999]), "unknown header 999"),
+        (msgpack.packb(["PAUSE", 1]), "unknown header 'PAUSE'"),
+        (msgpack.packb([True]), "unknown header True"),
+        (msgpack.packb([40]) + b"\x00", "invalid msgpack"),
+    ],
+)
+def test_malformed_frames(frame, match):
+    with pytest.raises(ProtocolError, match=match):
+        decode(frame)
+
+
+def test_wrong_arity_names_header_and_fields():
+    with pytest.raises(ProtocolError, match=r"SUSPEND: expected 2 fields \(control_id, mode\)"):
+        decode(msgpack.packb([int(Headers.SUSPEND), 1]))
+    with pytest.raises(ProtocolError, match="DISCONNECT: expected 0 fields"):
+        decode(msgpack.packb([int(Headers.DISCONNECT), 1]))
+
+
+def test_wrong_type_names_header_and_field():
+    with pytest.raises(ProtocolError, match=r"SUBMIT_REQUEST: field 'prompt' must be str \| bytes"):
+        decode(msgpack.packb([20, 1, [1, 2], b"", 4, False], use_bin_type=True))
+    # bool is not an int on the wire
+    with pytest.raises(ProtocolError, match="PAUSE: field 'control_id' must be int, got bool"):
+        decode(msgpack.packb([int(Headers.PAUSE), True]))
+    with pytest.raises(ProtocolError, match=r"REPLY: replies\[1\].record must be bytes"):
+        decode(msgpack.packb([int(Headers.REPLY), [[1, b"a"], [2, "s"]]], use_bin_type=True))
+    with pytest.raises(ProtocolError, match=r"REPLY: replies\[0\] must be a list of 2"):
+        decode(msgpack.packb([int(Headers.REPLY), [[1]]], use_bin_type=True))
+
+
+def test_encode_validates_too():
+    with pytest.raises(ProtocolError, match="SET_WEIGHT_VERSION: field 'version' must be int"):
+        encode(Headers.SET_WEIGHT_VERSION, 1, "v2")
+    with pytest.raises(ProtocolError, match="unknown header"):
+        encode(12345)
+
+
+def test_oversize_rejected_and_limit_configurable():
+    frame = encode(Headers.REPLY, [[1, b"x" * 5000]])
+    with pytest.raises(ProtocolError, match="exceeds the 1000-byte limit"):
+        decode(frame, max_frame_bytes=1000)
+    assert decode(frame, max_frame_bytes=len(frame))[0] is Headers.REPLY
+
+
+def test_pack_tokens_accepts_list_tensor_ndarray():
+    ref = [0, 1, 2**31 - 1, 5]
+    for src in (ref, torch.tensor(ref), np.array(ref, dtype=np.int64), tuple(ref)):
+        data = pack_tokens(src)
+        assert len(data) == 16 and unpack_tokens(data) == ref
+    assert unpack_tokens(pack_tokens([])) == []
+
+
+def test_pack_tokens_rejects_bad_input():
+    with pytest.raises(ValueError, match="fit in int32"):
+        pack_tokens([2**31])
+    with pytest.raises(ValueError, match="integers"):
+        pack_tokens([1.5])
+    with pytest.raises(ValueError, match="1-D"):
+        pack_tokens(torch.zeros(2, 2, dtype=torch.long))
+    with pytest.raises(ProtocolError, match="not a multiple of 4"):
+        unpack_tokens(b"\x00" * 7)
+
+
+def test_pack_hashes_and_floats():
+    hs = [1, 2**63 - 1, 12345]
+    assert unpack_hashes(pack_hashes(hs)) == hs
+    lp = [-0.5, -1e-9, float(np.float32(-3.3))]
+    assert unpack_floats(pack_floats(lp)) == lp
+    assert unpack_floats(pack_floats(torch.tensor(lp, dtype=torch.float32))) == [
+        float(x) for x in np.asarray(lp, dtype=np.float32)
+    ]
+
+
+# ---- fuzz: nothing but ProtocolError, ever --------------------------------------------------
+
+_leaf = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=8)
+    | st.binary(max_size=8)
+)
+_msg = st.recursive(
+    _leaf,
+    lambda children: (
+        st.lists(children, max_size=6)
+        | st.dictionaries(
+            st.text(max_size=4) | st.integers(-(2**63), 2**64 - 1), children, max_size=4
+        )
+    ),
+    max_leaves=20,
+)
+_header = st.sampled_from([int(h) for h in Headers]) | st.integers(-5, 200)
+
+
+def _decode_or_protocol_error(frame: bytes) -> None:
+    try:
+        h, fields = decode(frame)
+    except ProtocolError:
+        return
+    assert isinstance(h, Headers) and isinstance(fields, list)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=64))
+def test_fuzz_random_bytes(frame):
+    _decode_or_protocol_error(frame)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_msg)
+def test_fuzz_random_structures(obj):
+    _decode_or_protocol_error(msgpack.packb(obj, use_bin_type=True))
+
+
+@settings(max_examples=300, deadline=None)
+@given(_header, st.lists(_msg, max_size=8))
+def test_fuzz_header_plus_random_fields(header, fields):
+    _decode_or_protocol_error(msgpack.packb([header, *fields], use_bin_type=True))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from(list(Headers)), st.data())
+def test_fuzz_mutated_valid_frames(header, data):
+    frame = bytearray(encode(header, *[_example(t) for _, t in SCHEMA[header]]))
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(frame) - 1))
+        frame[i] = data.draw(st.integers(0, 255))
+    _decode_or_protocol_error(bytes(frame))

@@ -1,0 +1,90 @@
+"""End to end on the real engine: 2 worker processes behind the coordinator vs direct mode."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+
+import pytest
+from fake_engine import Harness
+
+from rollout.client import InferenceClient
+from rollout.engine.worker import EngineWorker, build_engine
+from rollout.sampling import SamplingParams
+
+pytestmark = pytest.mark.timeout(180)
+
+ENGINE_KW = {"model": "tiny", "seed": 0, "max_requests": 16, "streaming_interval": 4}
+
+
+def _workload(n: int = 200, seed: int = 0):
+    rng = random.Random(seed)
+    items = []
+    for i in range(n):
+        if i % 5 == 0:
+            prompt = "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(3, 20)))
+        else:
+            prompt = [rng.randint(0, 255) for _ in range(rng.randint(1, 40))]
+        sp = SamplingParams(temperature=0.0, num_tokens_to_generate=rng.choice((2, 6, 12)),
+                            ignore_eos=True, return_log_probs=i % 3 == 0)  # fmt: skip
+        items.append((prompt, sp))
+    return items
+
+
+def _direct(items) -> list[list[int]]:
+    """Direct mode (no coordinator), batched per distinct sampling params."""
+    engine = build_engine(**ENGINE_KW)
+    groups: dict = {}
+    for i, (_, sp) in enumerate(items):
+        groups.setdefault(repr(sp), []).append(i)
+    out: list = [None] * len(items)
+    for idx in groups.values():
+        reqs = engine.generate([items[i][0] for i in idx], items[idx[0]][1])
+        for i, r in zip(idx, reqs, strict=True):
+            out[i] = r.generated_tokens
+    return out
+
+
+async def _until(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+async def test_200_mixed_requests_match_direct_mode_and_survive_sigkill():
+    items = _workload()
+    expected = _direct(items)
+    kill_items = [(p, sp.replace(num_tokens_to_generate=32)) for p, sp in items[:30]]
+    kill_expected = _direct(kill_items)
+    h = Harness(heartbeat_s=0.2, engine_timeout_s=2.0, engine_wait_s=5.0)
+    procs = [EngineWorker.spawn(h.address, r, build_engine, ENGINE_KW) for r in range(2)]
+    try:
+        h.wait_engines(2, timeout=90)
+        client = await InferenceClient(h.address).start()
+        futs = [client.add_request(p, sp) for p, sp in items]
+        records = await asyncio.wait_for(asyncio.gather(*futs), 90)
+        got = [r.merge().generated_tokens for r in records]
+        assert got == expected
+        assert all(w["assigned"] == 0 for w in (await client.stats())["engines"].values())
+
+        # SIGKILL engine 0 mid-generation: everything still completes with the same tokens
+        base = h.coord.counters["partials"]
+        futs = [client.add_request(p, sp) for p, sp in kill_items]
+        await _until(lambda: h.coord.counters["partials"] >= base + 8, 60, "streamed checkpoints")
+        busiest = max(h.coord.engines.values(), key=lambda e: len(e.requests))
+        os.kill(procs[busiest.rank].pid, signal.SIGKILL)
+        records = await asyncio.wait_for(asyncio.gather(*futs), 90)
+        assert [r.merge().generated_tokens for r in records] == kill_expected
+        assert h.coord.counters["redispatched"] > 0
+        client.stop()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+        h.close()
