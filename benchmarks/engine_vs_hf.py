@@ -1,0 +1,213 @@
+"""Generated tokens/s: our DynamicInferenceEngine vs transformers `generate()`, same weights.
+
+Two workloads per model size, each run side by side in this process:
+  (a) batch: 32 prompts of 16..512 tokens, 128 new tokens each, greedy, ignore_eos;
+  (b) grpo:  16 prompts x 8 samples each (temperature 1.0), 128 new tokens.
+HF gets its best shot: one batched `generate()` per workload (left padding + attention mask;
+`num_return_sequences=8` for grpo), SDPA attention, the same dtype, device and thread count.
+
+    python benchmarks/engine_vs_hf.py            # ~20M and ~100M Llama configs
+    python benchmarks/engine_vs_hf.py --quick    # smaller shapes, ~20M only
+
+Writes benchmarks/results/engine_vs_hf.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from rollout.engine import DynamicInferenceEngine, InferenceConfig  # noqa: E402
+from rollout.models import ModelConfig, build_model  # noqa: E402
+from rollout.models.loader import save_pretrained  # noqa: E402
+from rollout.sampling import SamplingParams  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (k,), generator=g).tolist() for k in lens]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_ours(model, prompts, samples: int, new: int, greedy: bool, device, block_size: int):
+    n_req = len(prompts) * samples
+    longest = max(map(len, prompts)) + new
+    cfg = InferenceConfig(
+        block_size=block_size,
+        num_blocks=n_req * (-(-longest // block_size)) + 8,
+        max_requests=n_req,
+        max_tokens_per_step=max(2048, n_req),
+        max_sequence_length=longest,
+        enable_prefix_caching=True,
+    )
+    eng = DynamicInferenceEngine(model, None, cfg)
+    for i, p in enumerate(prompts):
+        for s in range(samples):
+            sp = SamplingParams(temperature=0.0 if greedy else 1.0, num_tokens_to_generate=new,
+                                ignore_eos=True, seed=1000 * i + s)  # fmt: skip
+            eng.add_request(None, p, sp)
+    sync(device)
+    t0 = time.perf_counter()
+    done = []
+    while eng.has_unfinished_requests():
+        done.extend(eng.step().finished)
+    sync(device)
+    dt = time.perf_counter() - t0
+    tokens = sum(len(r.merge().generated_tokens) for r in done)
+    s = eng.stats()
+    return {"seconds": dt, "tokens": tokens, "tokens_per_s": tokens / dt, "steps": s["steps"],
+            "tokens_computed": s["tokens_computed"], "tokens_reused": s["tokens_reused"]}  # fmt: skip
+
+
+@torch.inference_mode()
+def run_hf(hf, prompts, samples: int, new: int, greedy: bool, device):
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    kw = dict(max_new_tokens=new, min_new_tokens=new, pad_token_id=0, eos_token_id=None)
+    if greedy:
+        kw.update(do_sample=False)
+    else:
+        kw.update(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=samples)
+    torch.manual_seed(0)
+    sync(device)
+    t0 = time.perf_counter()
+    out = hf.generate(input_ids=ids, attention_mask=mask, **kw)
+    sync(device)
+    dt = time.perf_counter() - t0
+    tokens = (out.shape[1] - width) * out.shape[0]
+    return {"seconds": dt, "tokens": tokens, "tokens_per_s": tokens / dt}
+
+
+def load_hf(model, config, device, dtype):
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory() as d:
+        save_pretrained(model, config, d)
+        hf = AutoModelForCausalLM.from_pretrained(d, dtype=dtype, attn_implementation="sdpa")
+    return hf.to(device).eval()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--quick", action="store_true", help="small shapes and the ~20M model only")
+    ap.add_argument(
+        "--sizes", nargs="+", default=None, help="model presets (small=~20M, medium=~100M)"
+    )
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads for both (1: fair and stable on a shared machine)")  # fmt: skip
+    ap.add_argument("--workloads", nargs="+", default=None, help="subset of: a_batch32 b_grpo_16x8")
+    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="interleaved runs of each side; the fastest counts (shared machines)")  # fmt: skip
+    ap.add_argument("--out", default=str(RESULTS / "engine_vs_hf"))
+    ap.add_argument("--append", action="store_true",
+                    help="add these runs to an existing JSON (e.g. one size at a time)")  # fmt: skip
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    sizes = args.sizes or (["small"] if args.quick else ["small", "medium"])
+    new = args.new_tokens or (32 if args.quick else 128)
+    batch_hi = 128 if args.quick else 512
+    workloads = {
+        "a_batch32": dict(n=8 if args.quick else 32, samples=1, greedy=True),
+        "b_grpo_16x8": dict(n=4 if args.quick else 16, samples=8, greedy=False),
+    }
+    if args.workloads:
+        workloads = {k: v for k, v in workloads.items() if k in args.workloads}
+    results = {"device": str(device), "dtype": args.dtype, "threads": torch.get_num_threads(),
+               "torch": torch.__version__, "platform": platform.platform(), "new_tokens": new,
+               "prompt_lengths": [16, batch_hi], "repeats": args.repeats, "runs": []}  # fmt: skip
+    for size in sizes:
+        config = ModelConfig.preset(size)
+        model = build_model(config, seed=0).to(device=device, dtype=dtype).eval()
+        hf = load_hf(model, config, device, dtype)
+        params = config.num_parameters()
+        for name, w in workloads.items():
+            prompts = make_prompts(w["n"], 16, batch_hi, config.vocab_size, seed=len(name))
+            # warm-up both (allocator, kernels) on a tiny slice
+            run_ours(model, prompts[:2], 1, 4, True, device, 16)
+            run_hf(hf, prompts[:2], 1, 4, True, device)
+            ours_runs, hf_runs = [], []
+            for _ in range(args.repeats):  # interleaved, so background load hits both alike
+                ours_runs.append(
+                    run_ours(model, prompts, w["samples"], new, w["greedy"], device, 16)
+                )
+                hf_runs.append(run_hf(hf, prompts, w["samples"], new, w["greedy"], device))
+            ours = min(ours_runs, key=lambda r: r["seconds"])
+            theirs = min(hf_runs, key=lambda r: r["seconds"])
+            ours["all_seconds"] = [r["seconds"] for r in ours_runs]
+            theirs["all_seconds"] = [r["seconds"] for r in hf_runs]
+            row = {"model": size, "params": params, "workload": name, "ours": ours, "hf": theirs,
+                   "speedup": ours["tokens_per_s"] / theirs["tokens_per_s"]}  # fmt: skip
+            results["runs"].append(row)
+            print(f"{size:6s} {name:12s} ours {ours['tokens_per_s']:8.1f} tok/s  "
+                  f"hf {theirs['tokens_per_s']:8.1f} tok/s  x{row['speedup']:.2f}", flush=True)  # fmt: skip
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.append and out.with_suffix(".json").exists():
+        previous = json.loads(out.with_suffix(".json").read_text())
+        keep = [r for r in previous["runs"] if (r["model"], r["workload"]) not in
+                {(n["model"], n["workload"]) for n in results["runs"]}]  # fmt: skip
+        results["runs"] = keep + results["runs"]
+    out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = results["runs"]
+    labels = [f"{r['model']}\n{r['workload']}" for r in runs]
+    x = range(len(runs))
+    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(runs)), 4))
+    ax.bar(
+        [i - 0.2 for i in x], [r["ours"]["tokens_per_s"] for r in runs], 0.4, label="rollout engine"
+    )
+    ax.bar(
+        [i + 0.2 for i in x], [r["hf"]["tokens_per_s"] for r in runs], 0.4, label="HF generate()"
+    )
+    for i, r in enumerate(runs):
+        ax.text(i, max(r["ours"]["tokens_per_s"], r["hf"]["tokens_per_s"]), f"x{r['speedup']:.1f}",
+                ha="center", va="bottom")  # fmt: skip
+    ax.set_xticks(list(x), labels)
+    ax.set_ylabel("generated tokens / s")
+    ax.set_title(f"engine vs transformers generate ({results['device']}, {results['dtype']}, "
+                 f"{results['new_tokens']} new tokens)")  # fmt: skip
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""`InferenceConfig`: sizes and policies of one engine, validated at construction."""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+KV_POLICIES = ("recompute", "keep")
+PREFIX_EVICTION = ("lru",)
+SUSPEND_MODES = ("persist", "offload", "recompute")
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def _positive_int(name: str, value: Any, allow_zero: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"InferenceConfig.{name} must be an int, got {value!r}")
+    lo = 0 if allow_zero else 1
+    if value < lo:
+        raise ValueError(f"InferenceConfig.{name} must be >= {lo}, got {value!r}")
+    return int(value)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """'bf16' / 'bfloat16' / torch.bfloat16 -> torch.bfloat16; None stays None (= the model's)."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
+    raise ValueError(
+        f"InferenceConfig.dtype must be one of {sorted(_DTYPES)} or None, got {dtype!r}"
+    )
+
+
+@dataclass
+class InferenceConfig:
+    """How big the KV pool is, how much one step may do, and what happens on eviction/updates.
+
+    num_blocks=None sizes the pool from kv_cache_memory_bytes. max_tokens_per_step bounds the
+    tokens fed through the model per step (decodes + prefill chunks); it must cover one decode
+    token for every running request. kv_policy says what a weight update does to in-flight KV:
+    "recompute" re-prefills under the new weights, "keep" reuses the old KV (its staleness
+    counts). streaming_interval is the number of new tokens between partial outputs (0 = off).
+    device/dtype None mean "the model's".
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int = 256 * 2**20
+    max_requests: int = 64
+    max_tokens_per_step: int = 2048
+    max_sequence_length: int = 4096
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    kv_policy: str = "recompute"
+    prefix_eviction: str = "lru"
+    streaming_interval: int = 0
+    device: str | None = None
+    dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        self.block_size = _positive_int("block_size", self.block_size)
+        if self.num_blocks is not None:
+            self.num_blocks = _positive_int("num_blocks", self.num_blocks)
+        self.kv_cache_memory_bytes = _positive_int(
+            "kv_cache_memory_bytes", self.kv_cache_memory_bytes
+        )
+        self.max_requests = _positive_int("max_requests", self.max_requests)
+        self.max_tokens_per_step = _positive_int("max_tokens_per_step", self.max_tokens_per_step)
+        self.max_sequence_length = _positive_int("max_sequence_length", self.max_sequence_length)
+        self.streaming_interval = _positive_int("streaming_interval", self.streaming_interval, True)
+        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"InferenceConfig.{name} must be a bool, got {getattr(self, name)!r}"
+                )
+        if self.kv_policy not in KV_POLICIES:
+            raise ValueError(
+                f"InferenceConfig.kv_policy must be one of {KV_POLICIES}, got {self.kv_policy!r}"
+            )
+        if self.prefix_eviction not in PREFIX_EVICTION:
+            raise ValueError(
+                f"InferenceConfig.prefix_eviction must be one of {PREFIX_EVICTION}, got {self.prefix_eviction!r}"
+            )
+        if self.max_tokens_per_step < self.max_requests:
+            raise ValueError(
+                f"InferenceConfig.max_tokens_per_step ({self.max_tokens_per_step}) must be >= "
+                f"max_requests ({self.max_requests}): every running request decodes one token per step"
+            )
+        if self.device is not None:
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError) as e:
+                raise ValueError(
+                    f"InferenceConfig.device is not a torch device: {self.device!r}"
+                ) from e
+        resolve_dtype(self.dtype)
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        return resolve_dtype(self.dtype)
+
+    def resolve_num_blocks(self, bytes_per_block: int) -> int:
+        """num_blocks, or as many blocks as kv_cache_memory_bytes holds, capped at what
+        max_requests full-length sequences can use (more would only hold cached prefixes)."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        cap = self.max_requests * -(-self.max_sequence_length // self.block_size)
+        n = min(self.kv_cache_memory_bytes // bytes_per_block, cap)
+        if n < 1:
+            raise ValueError(
+                f"InferenceConfig.kv_cache_memory_bytes={self.kv_cache_memory_bytes} holds no KV block "
+                f"({bytes_per_block} bytes each); raise it or set num_blocks"
+            )
+        return int(n)

@@ -1,0 +1,595 @@
+"""`DynamicInferenceEngine`: continuous batching over a paged KV cache, one `step()` at a time.
+
+The engine owns the KV pool, the block manager (with its prefix cache), the scheduler and the
+sampler; the model only maps (tokens, positions, block tables) to hidden states. Everything a
+caller sees goes through request records (rollout.request): tokens, raw-logit log-probs, events,
+timings, per-token policy/KV staleness and the weight version that sampled each token.
+
+Lifecycle for RL: `suspend(mode)` frees the KV memory between training steps ("offload" copies
+it to host memory, "recompute" drops it and re-prefills every in-flight request on `resume()`),
+and `update_weights(state_dict, version)` swaps the weights in place under the configured KV
+policy, so unfinished requests carry over with exact staleness.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Mapping
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from rollout.engine import sampler
+from rollout.engine.block_manager import NO_PARENT, BlockManager
+from rollout.engine.config import SUSPEND_MODES, InferenceConfig
+from rollout.engine.scheduler import ScheduledBatch, Scheduler
+from rollout.engine.sequence import Sequence
+from rollout.models.attention import PagedAttentionMetadata
+from rollout.models.config import kv_bytes_per_block, kv_cache_shape
+from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord, Status
+from rollout.sampling import SamplingParams
+
+Prompt = str | Seq[int] | torch.Tensor
+
+
+class RequestError(ValueError):
+    """A request that can never be served (too long, bad token ids, empty prompt)."""
+
+
+@dataclass
+class StepOutput:
+    """What one step produced: finished records and streaming partials
+    `(request_id, new_tokens, new_log_probs)` (log-probs empty unless requested)."""
+
+    finished: list[DynamicInferenceRequestRecord] = field(default_factory=list)
+    partials: list[tuple[int, list[int], list[float]]] = field(default_factory=list)
+
+
+@dataclass
+class _Prepared:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: PagedAttentionMetadata
+    logit_rows: list[int]  # rows of hidden whose logits are needed
+    sample_at: list[int]  # index into logit rows of each sampling sequence
+    samplers: list[Sequence]
+    prompt_lp: list[tuple[Sequence, int, int, int]]  # (seq, first logit row, start pos, count)
+
+
+class DynamicInferenceEngine:
+    """Serve requests on `model` (a rollout.models.DecoderLM or compatible) with `tokenizer`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        config: InferenceConfig | None = None,
+        weight_version: int = 0,
+    ) -> None:
+        self.config = config = config or InferenceConfig()
+        if not isinstance(config, InferenceConfig):
+            raise ValueError(f"config must be an InferenceConfig, got {type(config).__name__}")
+        self.model_config = getattr(model, "config", None)
+        if self.model_config is None or not hasattr(model, "forward_paged"):
+            raise ValueError(
+                "model must expose .config and .forward_paged (rollout.models.DecoderLM)"
+            )
+        param = next(model.parameters())
+        device = torch.device(config.device) if config.device is not None else param.device
+        dtype = config.torch_dtype or param.dtype
+        if param.device != device or param.dtype != dtype:
+            model.to(device=device, dtype=dtype)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.device, self.dtype = device, dtype
+        self.vocab_size = int(self.model_config.vocab_size)
+        self.weight_version = int(weight_version)
+
+        block_bytes = kv_bytes_per_block(self.model_config, config.block_size, dtype)
+        self.num_blocks = config.resolve_num_blocks(block_bytes)
+        self.kv_shape = kv_cache_shape(self.model_config, self.num_blocks, config.block_size)
+        self.kv_cache: torch.Tensor | None = torch.zeros(self.kv_shape, dtype=dtype, device=device)
+        self.kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        self._kv_backup: torch.Tensor | None = None
+        self.suspended: str | None = None  # the suspend mode, None while serving
+
+        self.blocks = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.blocks, self._on_evict, self._on_admit)
+        self._seqs: dict[int, Sequence] = {}
+        self._done: list[DynamicInferenceRequestRecord] = []  # failed/aborted, out next step
+        self._ids = itertools.count()
+        self._seed_rng = int.from_bytes(os.urandom(8), "little")
+        self._eos = _eos_ids(tokenizer, self.model_config)
+        self.counters = {"steps": 0, "tokens_generated": 0, "requests_finished": 0,
+                         "requests_failed": 0, "weight_updates": 0, "forward_time_s": 0.0}  # fmt: skip
+
+    # -- requests -----------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: int | None,
+        prompt: Prompt | None = None,
+        sampling_params: SamplingParams | None = None,
+        record: DynamicInferenceRequestRecord | None = None,
+    ) -> DynamicInferenceRequestRecord:
+        """Queue a request (or resume a checkpointed `record`). A request that can never be
+        served becomes a FAILED record returned by the next step(); the engine goes on."""
+        if record is None:
+            record, error = self._new_record(request_id, prompt, sampling_params)
+            if error is not None:
+                record.requests[-1].add_event_add_engine()
+                self._fail(record, error)
+                return record
+        elif not isinstance(record, DynamicInferenceRequestRecord) or not record.requests:
+            raise ValueError("record must be a non-empty DynamicInferenceRequestRecord")
+        rid = record.request_id
+        if rid in self._seqs or any(r.request_id == rid for r in self._done):
+            raise ValueError(f"request_id {rid} is already in the engine")
+        if record.requests[-1].status == Status.FAILED:
+            self._done.append(record)
+            return record
+        req = record.requests[-1]
+        if req.generated_tokens and req.remaining_tokens_to_generate > 0:
+            record.checkpoint()  # resume: everything so far becomes the prompt
+            req = record.requests[-1]
+        req.status = Status.WAITING_IN_QUEUE
+        req.add_event_add_engine()
+        try:
+            self._validate(record)
+        except RequestError as e:
+            self._fail(record, e)
+            return record
+        sp = req.sampling_params
+        seed = sp.seed if sp.seed is not None else self._next_seed()
+        seq = Sequence(record, seed, record.requests[0].prompt_length, self.config.block_size,
+                       self._stop_words(sp), self._eos)  # fmt: skip
+        seq.streamed = seq.num_generated
+        seq.log_probs = [x for r in record.requests for x in r.generated_log_probs]
+        self._seqs[rid] = seq
+        self.scheduler.add(seq)
+        return record
+
+    def _new_record(
+        self, request_id: int | None, prompt: Prompt | None, sp: SamplingParams | None
+    ) -> tuple[DynamicInferenceRequestRecord, RequestError | None]:
+        if request_id is None:
+            request_id = next(self._ids)
+            while request_id in self._seqs:
+                request_id = next(self._ids)
+        sp = sp if sp is not None else SamplingParams()
+        if not isinstance(sp, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
+        text = prompt if isinstance(prompt, str) else None
+        error = None
+        try:
+            tokens = self._tokenize_prompt(prompt)
+        except RequestError as e:
+            tokens, error = torch.zeros(0, dtype=torch.int64), e
+        req = DynamicInferenceRequest(
+            request_id=request_id,
+            prompt=text,
+            sampling_params=sp,
+            prompt_tokens=tokens,
+            block_size_tokens=self.config.block_size,
+            enable_prefix_caching=False,  # the engine hashes incrementally itself
+        )
+        req.enable_prefix_caching = self.config.enable_prefix_caching
+        return DynamicInferenceRequestRecord.from_request(req), error
+
+    def _tokenize_prompt(self, prompt: Prompt | None) -> torch.Tensor:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("a str prompt needs a tokenizer")
+            return torch.tensor(_tokenize(self.tokenizer, prompt, bos=True), dtype=torch.int64)
+        if isinstance(prompt, torch.Tensor):
+            if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype == torch.bool:
+                raise RequestError(
+                    f"a tensor prompt must be 1-D integer, got {prompt.dtype} {tuple(prompt.shape)}"
+                )
+            return prompt.detach().to("cpu", torch.int64)
+        if isinstance(prompt, Seq) and not isinstance(prompt, (bytes, bytearray)):
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise RequestError("a token-id prompt must hold only ints")
+            return torch.tensor(list(prompt), dtype=torch.int64)
+        raise RequestError(
+            f"prompt must be a str or a list of token ids, got {type(prompt).__name__}"
+        )
+
+    def _validate(self, record: DynamicInferenceRequestRecord) -> None:
+        req = record.requests[-1]
+        tokens = req.prompt_tokens
+        if tokens is None or tokens.numel() == 0:
+            raise RequestError("empty prompt: nothing to condition on")
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= self.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise RequestError(f"token id {bad} is out of range for vocab_size {self.vocab_size}")
+        total = req.prompt_length + req.remaining_tokens_to_generate
+        if total > self.config.max_sequence_length:
+            raise RequestError(
+                f"prompt ({req.prompt_length} tokens) + tokens to generate "
+                f"({req.remaining_tokens_to_generate}) = {total} exceeds max_sequence_length "
+                f"{self.config.max_sequence_length}"
+            )
+        blocks = -(-total // self.config.block_size)
+        if blocks > self.num_blocks:
+            raise RequestError(
+                f"request needs {blocks} KV blocks of {self.config.block_size} tokens, "
+                f"the pool has {self.num_blocks}"
+            )
+
+    def _fail(self, record: DynamicInferenceRequestRecord, error: Exception) -> None:
+        req = record.requests[-1]
+        req.status = Status.FAILED
+        req.add_event_error_nontransient(error)
+        req.add_event_fail()
+        req.latency = record.latency = time.time() - req.arrival_time
+        self.counters["requests_failed"] += 1
+        self._done.append(record)
+
+    def _stop_words(self, sp: SamplingParams) -> list[list[int]]:
+        if not sp.stop_words:
+            return []
+        if self.tokenizer is None:
+            raise ValueError("stop_words need a tokenizer")
+        return [w for w in (_tokenize(self.tokenizer, s, bos=False) for s in sp.stop_words) if w]
+
+    def _next_seed(self) -> int:
+        self._seed_rng = sampler.splitmix64(self._seed_rng)
+        return self._seed_rng >> 1
+
+    def abort(self, request_id: int) -> bool:
+        """Stop a request now; its record (stop_reason "abort") comes out of the next step."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.remove(seq)
+        self._finish(seq, "abort")
+        self._done.append(seq.record)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._seqs) or bool(self._done)
+
+    # -- the step -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> StepOutput:
+        """Schedule, run one forward over the flattened batch, sample, and bookkeep."""
+        if self.suspended is not None:
+            raise RuntimeError(f"engine is suspended ({self.suspended}); call resume() first")
+        out = StepOutput(finished=self._done)
+        self._done = []
+        batch = self.scheduler.schedule(self.weight_version)
+        if not batch:
+            return out
+        self.counters["steps"] += 1
+        prep = self._prepare(batch)
+        t0 = time.perf_counter()
+        hidden = self.model.forward_paged(prep.input_ids, prep.positions, prep.meta, self.kv_cache)
+        logits = None
+        if prep.logit_rows:
+            rows = torch.tensor(prep.logit_rows, dtype=torch.long, device=hidden.device)
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
+        self.counters["forward_time_s"] += time.perf_counter() - t0
+        self.blocks.stats.tokens_computed += prep.input_ids.numel()
+        for seq, n in batch:
+            seq.num_computed += n
+        self._register_blocks(batch)  # before finished sequences release their blocks
+        self._prompt_log_probs(prep, logits)
+        if prep.samplers:
+            at = torch.tensor(prep.sample_at, dtype=torch.long, device=logits.device)
+            s_logits = logits.index_select(0, at)
+            self._sample(prep.samplers, s_logits, out)
+        out.finished.extend(self._done)
+        self._done = []
+        return out
+
+    def _prepare(self, batch: ScheduledBatch) -> _Prepared:
+        ids: list[int] = []
+        positions: list[int] = []
+        q_lens, ctx_lens, tables = [], [], []
+        logit_rows: list[int] = []
+        sample_at: list[int] = []
+        samplers: list[Sequence] = []
+        prompt_lp = []
+        row = 0
+        for seq, n in batch:
+            c = seq.num_computed
+            self._refresh_kv_staleness(seq, c)
+            ids.extend(seq.tokens[c : c + n])
+            positions.extend(range(c, c + n))
+            q_lens.append(n)
+            ctx_lens.append(c + n)
+            tables.append(seq.block_table)
+            if seq.wants_prompt_log_probs:
+                # logits at position p score prompt token p + 1
+                count = max(0, min(c + n, seq.request.prompt_length - 1) - c)
+                if seq.request.prompt_length <= 1:
+                    seq.request.prompt_log_probs = []
+                elif count:
+                    prompt_lp.append((seq, len(logit_rows), c, count))
+                    logit_rows.extend(range(row, row + count))
+            if c + n == len(seq.tokens):
+                sample_at.append(len(logit_rows))
+                logit_rows.append(row + n - 1)
+                samplers.append(seq)
+            row += n
+        meta = PagedAttentionMetadata.from_lists(q_lens, ctx_lens, tables, self.config.block_size,
+                                                 self.device)  # fmt: skip
+        return _Prepared(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
+            meta=meta,
+            logit_rows=logit_rows,
+            sample_at=sample_at,
+            samplers=samplers,
+            prompt_lp=prompt_lp,
+        )
+
+    def _refresh_kv_staleness(self, seq: Sequence, start: int) -> None:
+        """KV computed from `start` on is fresh; after dropped KV, cached hits are fresh too."""
+        if seq.kv_version == self.weight_version:
+            return
+        req = seq.request
+        if req.kv_cache_staleness is not None:
+            req.reset_kv_staleness(0 if seq.kv_version is None else start)
+        seq.kv_version = self.weight_version
+
+    def _prompt_log_probs(self, prep: _Prepared, logits: torch.Tensor) -> None:
+        for seq, first, start, count in prep.prompt_lp:
+            seq.prompt_lp = seq_lp = seq.prompt_lp[:start]
+            targets = torch.tensor(seq.tokens[start + 1 : start + 1 + count])
+            seq_lp.extend(sampler.prompt_log_probs(logits[first : first + count], targets))
+            req = seq.request
+            if len(seq_lp) == req.prompt_length - 1:
+                req.prompt_log_probs = seq_lp
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, out: StepOutput) -> None:
+        params = [s.request.sampling_params for s in seqs]
+        result = sampler.sample(
+            logits, params, [s.seed for s in seqs], [len(s.tokens) for s in seqs]
+        )
+        now = time.time()
+        interval = self.config.streaming_interval
+        for i, seq in enumerate(seqs):
+            sp = params[i]
+            token = result.tokens[i]
+            lp = result.log_probs[i] if sp.return_log_probs else None
+            top = result.top_n[i] if sp.top_n_logprobs else None
+            seq.request.append_token(token, lp, top, self.weight_version, now)
+            seq.tokens.append(token)
+            if lp is not None:
+                seq.log_probs.append(lp)
+            self.counters["tokens_generated"] += 1
+            reason = seq.stop_reason(token)
+            if reason is not None:
+                self._seqs.pop(seq.request_id, None)
+                self.scheduler.remove(seq)
+                self._finish(seq, reason)
+                self._done.append(seq.record)
+            elif interval and seq.num_generated - seq.streamed >= interval:
+                start, seq.streamed = seq.streamed, seq.num_generated
+                out.partials.append((seq.request_id, seq.tokens[seq.first_prompt_len + start :],
+                                     seq.log_probs[start:]))  # fmt: skip
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        record, req = seq.record, seq.request
+        req.stop_reason = reason
+        req.status = Status.COMPLETED
+        req.add_event_finish()
+        for r in record.requests[:-1]:
+            r.generated_text = ""
+        req.generated_text = _detokenize(self.tokenizer, seq.tokens[seq.first_prompt_len :])
+        req.latency = record.latency = time.time() - req.arrival_time
+        self.counters["requests_finished"] += 1
+
+    def _register_blocks(self, batch: ScheduledBatch) -> None:
+        if not self.config.enable_prefix_caching:
+            return
+        bs = self.config.block_size
+        for seq, _ in batch:
+            full = seq.num_computed // bs
+            if not seq.cacheable or full <= seq.num_registered or not seq.block_table:
+                continue
+            hashes = seq.block_hashes(full)
+            for i in range(seq.num_registered, full):
+                parent = seq.block_table[i - 1] if i else NO_PARENT
+                self.blocks.register(seq.block_table[i], hashes[i], seq.tokens[i * bs : (i + 1) * bs],
+                                     parent, self.weight_version)  # fmt: skip
+            seq.num_registered = full
+
+    # -- scheduler callbacks ------------------------------------------------------------------
+    def _on_admit(self, seq: Sequence, reused: int) -> None:
+        self.blocks.stats.tokens_reused += reused
+        req = seq.request
+        if req.status == Status.WAITING_IN_QUEUE:
+            req.status = Status.ACTIVE_AND_GENERATING_TOKENS
+            req.add_event_add_context()
+
+    def _on_evict(self, seq: Sequence) -> None:
+        seq.record.requests[-1].add_event_evict()
+        seq.record.checkpoint()
+        seq.request.status = Status.WAITING_IN_QUEUE
+
+    # -- whole runs ---------------------------------------------------------------------------
+    def generate(
+        self, prompts: Seq[Prompt], sampling_params: SamplingParams | None = None
+    ) -> list[DynamicInferenceRequest]:
+        """Run `prompts` to completion; merged requests in input order (failed ones included)."""
+        ids = []
+        for p in prompts:
+            ids.append(self.add_request(None, p, sampling_params).request_id)
+        wanted = set(ids)
+        results: dict[int, DynamicInferenceRequestRecord] = {}
+        others: list[DynamicInferenceRequestRecord] = []  # someone else's: kept for step()
+        while wanted - results.keys():
+            out = self.step()
+            for record in out.finished:
+                if record.request_id in wanted:
+                    results[record.request_id] = record
+                else:
+                    others.append(record)
+            if not out.finished and not self.scheduler.running and not self.scheduler.waiting:
+                raise RuntimeError("engine stalled with requests outstanding")
+        self._done.extend(others)
+        return [results[i].merge() for i in ids]
+
+    # -- memory lifecycle ---------------------------------------------------------------------
+    def suspend(self, mode: str = "persist") -> int:
+        """Stop serving and free the KV memory per `mode`; returns the bytes of KV released
+        from the device (0 for persist). Idempotent: a second call returns 0."""
+        if mode not in SUSPEND_MODES:
+            raise ValueError(f"suspend mode must be one of {SUSPEND_MODES}, got {mode!r}")
+        if self.suspended is not None:
+            return 0
+        for seq in self.scheduler.running:
+            seq.request.status = Status.ACTIVE_BUT_NOT_GENERATING_TOKENS
+            seq.request.add_event_pause()
+        self.suspended = mode
+        if mode == "persist":
+            return 0
+        if mode == "offload":
+            pin = self.device.type == "cuda"
+            self._kv_backup = torch.empty(
+                self.kv_shape, dtype=self.dtype, device="cpu", pin_memory=pin
+            )
+            self._kv_backup.copy_(self.kv_cache)
+        else:  # recompute: every in-flight request re-prefills on resume, in its queue order
+            for seq in self.scheduler.running:
+                self.blocks.free(seq.drop_kv())
+            self.blocks.reset()
+        self.kv_cache = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the pool back to the driver, not just the allocator
+        return self.kv_bytes
+
+    def resume(self) -> None:
+        """Restore the KV pool after suspend() and serve again (no-op when not suspended)."""
+        mode, self.suspended = self.suspended, None
+        if mode is None:
+            return
+        if mode == "offload":
+            self.kv_cache = torch.empty(self.kv_shape, dtype=self.dtype, device=self.device)
+            self.kv_cache.copy_(self._kv_backup)
+            self._kv_backup = None
+        elif mode == "recompute":
+            self.kv_cache = torch.zeros(self.kv_shape, dtype=self.dtype, device=self.device)
+        for seq in self.scheduler.running:
+            seq.request.status = Status.ACTIVE_AND_GENERATING_TOKENS
+
+    # -- weights ------------------------------------------------------------------------------
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Copy `state_dict` into the model in place and stamp `version`.
+
+        Every name must exist in the model with the same shape (a subset is fine: bucketed
+        updates); anything wrong raises ValueError before a single weight changes. Then every
+        in-flight request's staleness goes up by one (policy only for those without KV), the
+        KV policy is applied, and prefix-cache blocks from older weights are dropped.
+        """
+        if (
+            isinstance(version, bool)
+            or not isinstance(version, int)
+            or version <= self.weight_version
+        ):
+            raise ValueError(
+                f"version must be an int > current {self.weight_version}, got {version!r}"
+            )
+        if not isinstance(state_dict, Mapping) or not state_dict:
+            raise ValueError("state_dict must be a non-empty mapping of name -> tensor")
+        targets = self.model.state_dict(keep_vars=True)
+        problems = []
+        for name, t in state_dict.items():
+            if name not in targets:
+                problems.append(f"unknown parameter {name!r}")
+            elif not isinstance(t, torch.Tensor):
+                problems.append(f"{name}: expected a tensor, got {type(t).__name__}")
+            elif tuple(t.shape) != tuple(targets[name].shape):
+                problems.append(
+                    f"{name}: shape {tuple(t.shape)} != model {tuple(targets[name].shape)}"
+                )
+            elif not (t.dtype.is_floating_point or t.dtype == targets[name].dtype):
+                problems.append(f"{name}: dtype {t.dtype} cannot load into {targets[name].dtype}")
+        if problems:
+            raise ValueError(f"update_weights rejected ({len(problems)} problem(s)); old weights "
+                             f"still serve: " + "; ".join(problems[:5]))  # fmt: skip
+        with torch.no_grad():
+            for name, t in state_dict.items():
+                targets[name].copy_(t)
+        self.weight_version = version
+        self.counters["weight_updates"] += 1
+        recompute = self.config.kv_policy == "recompute"
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            has_kv = bool(seq.block_table) and seq.num_computed > 0
+            seq.record.increment_staleness(policy_only=not has_kv)
+            if has_kv and recompute:
+                self.blocks.free(seq.drop_kv())
+            elif has_kv:
+                seq.cacheable = False  # its KV mixes weights: never publish it
+        self.blocks.drop_blocks_older_than(version)
+
+    # -- introspection ------------------------------------------------------------------------
+    def load(self) -> dict[str, Any]:
+        seqs = list(self.scheduler.running) + list(self.scheduler.waiting)
+        return {
+            "waiting": len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
+            "kv_usage": self.blocks.num_used / self.num_blocks,
+            "outstanding_tokens": sum(
+                s.num_uncomputed + s.request.remaining_tokens_to_generate for s in seqs
+            ),
+        }
+
+    def stats(self) -> dict[str, Any]:
+        b = self.blocks.stats
+        out = dict(self.counters)
+        out.update(
+            weight_version=self.weight_version,
+            tokens_computed=b.tokens_computed,
+            tokens_reused=b.tokens_reused,
+            prefix_cache_queries=b.cache_queries,
+            prefix_cache_hits=b.cache_hits,
+            prefix_cache_collisions=b.collisions,
+            blocks_allocated=b.blocks_allocated,
+            blocks_freed=b.blocks_freed,
+            blocks_evicted=b.blocks_evicted,
+            blocks_dropped=b.blocks_dropped,
+            evictions=self.scheduler.num_evictions,
+            num_blocks=self.num_blocks,
+            kv_cache_bytes=self.kv_bytes,
+            suspended=self.suspended,
+        )
+        out.update(self.load())
+        return out
+
+
+# -- tokenizer adapters (rollout.tokenizers API, with HF-style fallbacks) ----------------------
+def _tokenize(tokenizer: Any, text: str, bos: bool) -> list[int]:
+    """Prompts get the tokenizer's BOS (when it has one); stop words never do."""
+    bos = bos and getattr(tokenizer, "bos_id", None) is not None
+    if hasattr(tokenizer, "tokenize"):
+        return list(tokenizer.tokenize(text, add_bos=bos))
+    return list(tokenizer.encode(text))
+
+
+def _detokenize(tokenizer: Any, ids: list[int]) -> str | None:
+    if tokenizer is None:
+        return None
+    fn = getattr(tokenizer, "detokenize", None) or getattr(tokenizer, "decode", None)
+    return fn(ids) if fn is not None else None
+
+
+def _eos_ids(tokenizer: Any, model_config: Any) -> frozenset[int]:
+    """The tokenizer's eos id(s), else the model config's."""
+    pairs = ((tokenizer, "eos_ids"), (tokenizer, "eos_id"), (tokenizer, "eos_token_id"),
+             (model_config, "eos_token_id"))  # fmt: skip
+    for source, name in pairs:
+        v = getattr(source, name, None) if source is not None else None
+        if isinstance(v, int) and not isinstance(v, bool):
+            return frozenset([v])
+        if isinstance(v, (list, tuple)) and v:
+            return frozenset(int(x) for x in v)
+    return frozenset()

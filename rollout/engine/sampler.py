@@ -1,0 +1,112 @@
+"""Batched sampling whose randomness belongs to the request, not to the batch.
+
+Each sampled token draws one uniform number from (request seed, absolute position) through
+splitmix64 and picks its token by inverse-CDF over the filtered distribution. So a seeded
+request yields the same tokens whatever else shares the batch, and across eviction, recompute
+or suspend/resume (the position of a token never changes). The draw is plain integer
+arithmetic, identical on CPU and CUDA.
+
+Log-probs are log_softmax of the RAW logits (the model's distribution at temperature 1, before
+temperature/top-k/top-p): the quantity a trainer recomputes for the behaviour policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rollout.sampling import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def splitmix64(x: int) -> int:
+    """One round of splitmix64 (a bijective 64-bit mixer)."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def uniform(seed: int, position: int) -> float:
+    """A uniform float in [0, 1) that depends only on (seed, position)."""
+    return (splitmix64(splitmix64(seed & _MASK64) ^ (position & _MASK64)) >> 11) * 2.0**-53
+
+
+@dataclass
+class SampleOutput:
+    tokens: list[int]
+    log_probs: list[float] | None  # raw-logit log-prob of each sampled token
+    top_n: list[dict[int, float]] | None  # per row, empty dict where not requested
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    seeds: Sequence[int],
+    positions: Sequence[int],
+) -> SampleOutput:
+    """logits [B, V] -> one token per row. positions: absolute index of the token being sampled."""
+    logits = logits.float()
+    rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    if not rows:
+        tokens = logits.argmax(dim=-1)
+    else:
+        sub = [params[i] for i in rows]
+        u = [uniform(seeds[i], positions[i]) for i in rows]
+        u = torch.tensor(u, dtype=torch.float64, device=logits.device)
+        if len(rows) == len(params):  # every row samples: no argmax, no gather
+            tokens = _sample_rows(logits, sub, u)
+        else:
+            tokens = logits.argmax(dim=-1)
+            idx = torch.tensor(rows, device=logits.device)
+            tokens.index_copy_(0, idx, _sample_rows(logits.index_select(0, idx), sub, u))
+
+    want_lp = any(p.return_log_probs for p in params)
+    max_n = max(p.top_n_logprobs for p in params)
+    log_probs = top_n = None
+    token_list = tokens.tolist()
+    if want_lp or max_n:
+        logp = torch.log_softmax(logits, dim=-1)
+        if want_lp:
+            log_probs = logp.gather(1, tokens[:, None]).squeeze(1).tolist()
+        if max_n:
+            vals, ids = logp.topk(min(max_n, logp.shape[-1]), dim=-1)
+            vals, ids = vals.tolist(), ids.tolist()
+            top_n = [
+                dict(zip(ids[i][: p.top_n_logprobs], vals[i][: p.top_n_logprobs], strict=False))
+                for i, p in enumerate(params)
+            ]
+    return SampleOutput(token_list, log_probs, top_n)
+
+
+def _sample_rows(
+    logits: torch.Tensor, params: Sequence[SamplingParams], u: torch.Tensor
+) -> torch.Tensor:
+    """Temperature, then top-k and top-p on the sorted distribution, then inverse-CDF with u."""
+    device = logits.device
+    vocab = logits.shape[-1]
+    temp = torch.tensor([p.temperature for p in params], device=device)
+    x = logits / temp[:, None]
+    order = None
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        x, order = x.sort(dim=-1, descending=True)
+        ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+        x = x.masked_fill(torch.arange(vocab, device=device)[None, :] >= ks[:, None], float("-inf"))
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        probs = torch.softmax(x, dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+        x = x.masked_fill(before >= top_p[:, None], float("-inf"))  # the first token always stays
+    # fp64 so that target < cdf[-1] strictly: `right=True` then never lands on a 0-mass token
+    cdf = torch.softmax(x, dim=-1).double().cumsum(dim=-1)
+    target = (u * cdf[:, -1])[:, None]
+    pick = torch.searchsorted(cdf, target, right=True).clamp_(max=vocab - 1)
+    return pick.squeeze(1) if order is None else order.gather(1, pick).squeeze(1)
+
+
+def prompt_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> list[float]:
+    """logits [T, V] predicting targets [T] -> raw-logit log-probs of those targets."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return logp.gather(1, targets[:, None].to(logp.device)).squeeze(1).tolist()

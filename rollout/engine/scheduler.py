@@ -1,0 +1,178 @@
+"""Continuous batching: which sequences run this step and how many tokens each computes.
+
+Per step, in order: every running sequence's decode token, then running sequences that still
+prefill (chunked, in admission order), then waiting sequences admitted FIFO while the request,
+token and block budgets allow. When a running sequence needs a block and none is left, the most
+recently admitted running sequence is evicted (its record checkpointed, re-queued at the head)
+rather than failing anything; the oldest request therefore always makes progress.
+
+A waiting sequence whose next block is being computed right now by another sequence (same
+prefix, not cached yet) waits a step instead of computing it twice; it keeps its queue place.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from rollout.engine.block_manager import BlockManager
+from rollout.engine.config import InferenceConfig
+from rollout.engine.sequence import Sequence
+
+ScheduledBatch = list[tuple[Sequence, int]]  # (sequence, tokens to compute this step)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: InferenceConfig,
+        blocks: BlockManager,
+        on_evict: Callable[[Sequence], None],
+        on_admit: Callable[[Sequence, int], None],
+    ) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.on_evict = on_evict  # checkpoint + EVICT event (the engine owns record semantics)
+        self.on_admit = on_admit  # (seq, prefix tokens reused)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order
+        self.num_evictions = 0
+
+    # -- queue --------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out (finished or aborted) and release its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.drop_kv())
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- one step -----------------------------------------------------------------------------
+    def schedule(self, version: int) -> ScheduledBatch:
+        batch: ScheduledBatch = []
+        self._budget = self.config.max_tokens_per_step
+        self._prefilling = False
+        decodes = [s for s in self.running if s.num_uncomputed == 1]
+        prefills = [s for s in self.running if s.num_uncomputed > 1]
+        for seq in decodes + prefills:
+            if seq in self.running:  # not evicted by an earlier sequence of this loop
+                self._schedule_running(seq, batch, version)
+        self._admit(batch, version)
+        return batch
+
+    def _chunk(self, need: int) -> int:
+        """Tokens to compute out of `need`, under the remaining budget."""
+        budget = self._budget
+        if need <= budget:
+            return need
+        if not self.config.enable_chunked_prefill:
+            # One over-budget prefill may run (with decodes) rather than wait forever.
+            return 0 if self._prefilling else need
+        n = budget
+        if need - n == 1 and n > 1:
+            n -= 1  # never leave a 1-token tail
+        return n
+
+    def _take(self, seq: Sequence, n: int, batch: ScheduledBatch) -> None:
+        batch.append((seq, n))
+        self._budget -= n
+        if n > 1:
+            self._prefilling = True
+
+    def _schedule_running(self, seq: Sequence, batch: ScheduledBatch, version: int) -> None:
+        if not seq.block_table:  # KV dropped (recompute): reuse what the cache still has
+            self._reuse_prefix(seq, version)
+        n = self._chunk(seq.num_uncomputed)
+        if n <= 0:
+            return
+        need = _cdiv(seq.num_computed + n, self.blocks.block_size) - len(seq.block_table)
+        while need > 0 and not self.blocks.can_allocate(need):
+            victim = self.running[-1]
+            self._evict(victim, batch)
+            if victim is seq:
+                return
+        if need > 0:
+            seq.block_table.extend(self.blocks.allocate(need))
+        self._take(seq, n, batch)
+
+    def _evict(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        for i, (s, n) in enumerate(batch):
+            if s is seq:
+                del batch[i]
+                self._budget += n
+                break
+        self.running.remove(seq)
+        self.blocks.free(seq.drop_kv())
+        self.on_evict(seq)
+        self.waiting.appendleft(seq)
+        self.num_evictions += 1
+
+    def _admit(self, batch: ScheduledBatch, version: int) -> None:
+        bs = self.blocks.block_size
+        caching = self.blocks.enable_prefix_caching
+        pending = self._pending_hashes() if caching else set()
+        i = 0
+        while (
+            i < len(self.waiting)
+            and len(self.running) < self.config.max_requests
+            and self._budget > 0
+        ):
+            seq = self.waiting[i]
+            full = len(seq.tokens) // bs
+            hashes = seq.block_hashes(full) if caching else []
+            hits = self._match(seq, hashes, version)
+            if len(hits) < full and hashes and hashes[len(hits)] in pending:
+                self.blocks.free(hits)  # its next block is being computed: retry next step
+                i += 1
+                continue
+            start = len(hits) * bs
+            n = self._chunk(len(seq.tokens) - start)
+            need = _cdiv(start + n, bs) - len(hits)
+            if n <= 0 or not self.blocks.can_allocate(need):
+                self.blocks.free(hits)
+                break  # FIFO: nobody overtakes the head for resources
+            del self.waiting[i]
+            seq.block_table = hits + self.blocks.allocate(need)
+            seq.num_computed = start
+            seq.num_registered = len(hits)
+            self.running.append(seq)
+            self.on_admit(seq, start)
+            self._take(seq, n, batch)
+            if caching and seq.cacheable:
+                pending.update(hashes[len(hits) :])
+
+    def _match(self, seq: Sequence, hashes: list[int], version: int) -> list[int]:
+        if not (self.blocks.enable_prefix_caching and seq.cacheable) or seq.wants_prompt_log_probs:
+            return []
+        usable = (len(seq.tokens) - 1) // self.blocks.block_size  # compute >= 1 token for logits
+        return self.blocks.match_prefix(hashes[:usable], seq.tokens, version)
+
+    def _reuse_prefix(self, seq: Sequence, version: int) -> None:
+        if not self.blocks.enable_prefix_caching:
+            return
+        bs = self.blocks.block_size
+        hits = self._match(seq, seq.block_hashes(len(seq.tokens) // bs), version)
+        seq.block_table = hits
+        seq.num_computed = seq.num_registered = len(hits) * bs
+        self.on_admit(seq, len(hits) * bs)
+
+    def _pending_hashes(self) -> set[int]:
+        """Hashes of complete blocks that running sequences have yet to compute (or are
+        computing this step): a sequence that needs one of them should not compute it too."""
+        bs = self.blocks.block_size
+        out: set[int] = set()
+        for seq in self.running:
+            if seq.cacheable and seq.num_uncomputed > 1:
+                full = len(seq.tokens) // bs
+                out.update(seq.block_hashes(full)[seq.num_computed // bs :])
+        return out

@@ -1,0 +1,102 @@
+"""Engine-side state of one in-flight request: its tokens, KV blocks and hash chain.
+
+The record (rollout.request) is what the caller gets back; a `Sequence` is the engine's view
+of it. `tokens` is the whole token list (first prompt + everything generated, across
+checkpoints) and `num_computed` how many of them have KV in the cache. Prefill, chunked
+prefill, decode and re-prefill after an eviction or a weight update are the same operation:
+compute `tokens[num_computed:]` (possibly in chunks) and sample after the last one.
+"""
+
+from __future__ import annotations
+
+from rollout import hashing
+from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord
+
+
+class Sequence:
+    def __init__(
+        self,
+        record: DynamicInferenceRequestRecord,
+        seed: int,
+        first_prompt_len: int,
+        block_size: int,
+        stop_words: list[list[int]],
+        eos_ids: frozenset[int],
+    ) -> None:
+        self.record = record
+        self.seed = seed
+        self.first_prompt_len = first_prompt_len  # stop words only match after it
+        self.block_size = block_size
+        self.stop_words = stop_words
+        self.eos_ids = eos_ids
+        req = record.requests[-1]
+        self.tokens: list[int] = req.prompt_tokens.tolist() + list(req.generated_tokens)
+        self.num_computed = 0
+        self.block_table: list[int] = []
+        self._digests: list[bytes] = []
+        self.hashes: list[int] = []
+        self.num_registered = 0  # blocks [0, n) already offered to the prefix cache
+        self.cacheable = True  # False once it holds KV from older weights (kv_policy="keep")
+        self.kv_version: int | None = None  # weights that computed its KV; None = no KV
+        self.streamed = 0  # generated tokens (all segments) already sent as partials
+        self.log_probs: list[float] = []  # of every generated token, all segments (streaming)
+        self.prompt_lp: list[float] = []  # prompt log-probs accumulated over prefill chunks
+
+    @property
+    def request(self) -> DynamicInferenceRequest:
+        return self.record.requests[-1]
+
+    @property
+    def request_id(self) -> int:
+        return self.record.request_id
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.first_prompt_len
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def wants_prompt_log_probs(self) -> bool:
+        req = self.request
+        return req.sampling_params.return_prompt_log_probs and req.prompt_log_probs is None
+
+    def block_hashes(self, num_blocks: int) -> list[int]:
+        """Chained hashes of the first `num_blocks` complete blocks (extended incrementally)."""
+        have = len(self._digests)
+        if num_blocks > have:
+            bs = self.block_size
+            parent = self._digests[-1] if self._digests else hashing.ROOT_DIGEST
+            new = hashing.chained_block_digests(
+                self.tokens[have * bs : num_blocks * bs], bs, parent
+            )
+            self._digests.extend(new)
+            self.hashes.extend(hashing.digest_to_hash(d) for d in new)
+        return self.hashes[:num_blocks]
+
+    def drop_kv(self) -> list[int]:
+        """Forget the KV (the caller frees the returned blocks); it is recomputed later."""
+        blocks, self.block_table = self.block_table, []
+        self.num_computed = 0
+        self.num_registered = 0
+        self.kv_version = None
+        self.cacheable = True
+        return blocks
+
+    def stop_reason(self, token: int) -> str | None:
+        """Why generation ends after `token` was appended (None: keep going)."""
+        req = self.request
+        sp = req.sampling_params
+        if token in sp.stop_token_ids:
+            return "stop_token"
+        if not sp.ignore_eos and token in self.eos_ids:
+            return "eos"
+        for word in self.stop_words:
+            n = len(word)
+            if n <= self.num_generated and self.tokens[-n:] == word:
+                return "stop_word"
+        if len(req.generated_tokens) >= sp.num_tokens_to_generate:
+            return "length"
+        return None
