@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-import time
 from collections.abc import Sequence
 
 from rollout.coordinator.routing import POLICIES
@@ -42,83 +41,42 @@ def _check_serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"rollout serve: --port must be in [0, 65535], got {args.port}")
 
 
-def _wait_for_engines(address: str, n: int, token: str | None, timeout: float, procs) -> None:
-    """Handshake as a client and poll STATS until n engines registered (or a child died)."""
-    import zmq
-
-    from rollout.protocol import Headers, decode, encode
-
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-    try:
-        sock.send(encode(Headers.CONNECT, token))
-        deadline = time.monotonic() + timeout
-        sid = 0
-        while time.monotonic() < deadline:
-            dead = [p for p in procs if not p.is_alive()]
-            if dead:
-                raise SystemExit(f"rollout serve: {dead[0].name} exited with {dead[0].exitcode}")
-            sid += 1
-            sock.send(encode(Headers.STATS, sid))
-            if sock.poll(500):
-                header, fields = decode(sock.recv())
-                if header is Headers.ERROR:
-                    raise SystemExit(f"rollout serve: coordinator refused us: {fields[2]}")
-                if header is Headers.STATS_REPLY and len(fields[1]["engines"]) >= n:
-                    return
-            time.sleep(0.2)  # engines are loading models; a coarse wait is fine here
-        raise SystemExit(f"rollout serve: engines not ready within {timeout}s")
-    finally:
-        sock.send(encode(Headers.DISCONNECT))
-        sock.close(linger=100)
-        ctx.term()
-
-
 def serve(args: argparse.Namespace) -> int:
-    from rollout.coordinator import DataParallelInferenceCoordinator
-    from rollout.engine.worker import EngineWorker, build_engine
+    from rollout.runtime import EngineCluster
 
     _check_serve(args)
-    stopping = {"flag": False}
 
     def on_signal(signum, frame):
-        stopping["flag"] = True
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    coord_proc, address = DataParallelInferenceCoordinator.spawn(
-        host=args.host,
-        port=args.port,
-        policy=args.policy,
-        alpha=args.alpha,
+    cluster = EngineCluster(
+        args.dp,
+        args.model,
+        inference_config={"block_size": args.block_size, "max_requests": args.max_requests,
+                          "streaming_interval": args.streaming_interval},
+        device=args.device,
+        dtype=args.dtype,
+        coordinator={"host": args.host, "port": args.port, "policy": args.policy,
+                     "alpha": args.alpha, "block_size": args.block_size,
+                     "schedule_output_path": args.schedule_log},
         auth_token=args.auth_token,
-        block_size=args.block_size,
-        schedule_output_path=args.schedule_log,
-    )
-    print(f"coordinator {address} pid {coord_proc.pid}", flush=True)
-    engines = []
-    factory_kwargs = {
-        "model": args.model,
-        "device": args.device,
-        "dtype": args.dtype,
-        "block_size": args.block_size,
-        "max_requests": args.max_requests,
-        "streaming_interval": args.streaming_interval,
-    }
+        weight_sync=False,
+        ready_timeout_s=args.ready_timeout,
+    )  # fmt: skip
     try:
-        for rank in range(args.dp):
-            proc = EngineWorker.spawn(address, rank, build_engine, factory_kwargs,
-                                      {"auth_token": args.auth_token})  # fmt: skip
-            engines.append(proc)
+        address = cluster.start_coordinator()
+        print(f"coordinator {address} pid {cluster.coordinator_process.pid}", flush=True)
+        for rank, proc in enumerate(cluster.start_engines()):
             print(f"engine {rank} pid {proc.pid}", flush=True)
-        _wait_for_engines(address, args.dp, args.auth_token, args.ready_timeout,
-                          [coord_proc, *engines])  # fmt: skip
+        try:
+            cluster.wait_ready()
+        except (RuntimeError, TimeoutError, ConnectionError, PermissionError) as e:
+            raise SystemExit(f"rollout serve: {e}") from None
         print(f"ready: {args.dp} engine(s) at {address}", flush=True)
-        while coord_proc.is_alive():
-            coord_proc.join(1.0)
+        while cluster.coordinator_process.is_alive():
+            cluster.coordinator_process.join(1.0)
         print("rollout serve: coordinator exited", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
@@ -126,21 +84,8 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        _shutdown([*engines, coord_proc])
-
-
-def _shutdown(procs) -> None:
-    """SIGTERM every child, give them a moment to exit cleanly, then SIGKILL stragglers."""
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + 10.0
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    print("rollout serve: stopped", flush=True)
+        cluster.close()
+        print("rollout serve: stopped", flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -61,8 +61,11 @@ class RolloutManagerConfig:
     max_inflight_groups: int | None = None
     initial_version: int = 0
     collect_timeout_s: float = 3600.0
+    dp: int = 1  # engines: 1 = one in-process engine, > 1 = engine processes (EngineCluster)
 
     def __post_init__(self) -> None:
+        if isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 1:
+            raise ValueError(f"dp must be an int >= 1, got {self.dp!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.stale_policy not in STALE_POLICIES:
@@ -113,10 +116,16 @@ class RolloutManager:
         tokenizer: Any = None,
         inference_config: Any = None,
         engine: Any = None,
+        cluster_options: Mapping[str, Any] | None = None,
         **overrides: Any,
     ) -> None:
         base = config if config is not None else RolloutManagerConfig()
         self.config = dataclasses.replace(base, **overrides) if overrides else base
+        self._owns_engine = engine is None
+        if engine is None and self.config.dp > 1:
+            engine = self._start_cluster(model, tokenizer, inference_config, cluster_options)
+        elif cluster_options:
+            raise ValueError("cluster_options only apply with dp > 1")
         if engine is None:
             if model is None:
                 raise ValueError("RolloutManager needs a model (and tokenizer) or an engine")
@@ -168,6 +177,20 @@ class RolloutManager:
         self._atexit = lambda: (m := ref()) is not None and m.close()
         atexit.register(self._atexit)
 
+    def _start_cluster(self, model: Any, tokenizer: Any, icfg: Any, options: Any) -> Any:
+        """dp > 1: a coordinator and `dp` engine processes loading `model`'s weights."""
+        from rollout.runtime import ClusterEngine, EngineCluster
+
+        if model is None:
+            raise ValueError("RolloutManager with dp > 1 needs model= (module, state_dict, "
+                             "preset name or HF directory)")  # fmt: skip
+        opts = dict(options or {})
+        if icfg is not None:
+            opts["inference_config"] = icfg
+        cluster = EngineCluster(self.config.dp, model, tokenizer=tokenizer, **opts)
+        cluster.factory_kwargs["weight_version"] = self.config.initial_version
+        return ClusterEngine(cluster.start())
+
     @classmethod
     def from_config(
         cls, cfg: Any, model: nn.Module | None = None, tokenizer: Any = None, **changes: Any
@@ -182,16 +205,19 @@ class RolloutManager:
         from rollout import config as C
 
         run = C.validate(cfg)
-        if run.rollout.dp != 1:
-            raise NotImplementedError(
-                f"rollout.dp={run.rollout.dp}: engine processes behind the coordinator are not "
-                "wired into RolloutManager yet; use dp=1 (one in-process engine)"
-            )
         if model is None:
             model, built_tok, _ = C.build_model_and_tokenizer(run)
             tokenizer = tokenizer if tokenizer is not None else built_tok
         elif tokenizer is None:
             tokenizer = C.build_tokenizer(run)
+        if run.rollout.dp > 1:  # engines load a snapshot of the trainer's weights
+            return cls(
+                C.manager_config(run, dp=run.rollout.dp, **changes),
+                model=model,
+                tokenizer=tokenizer,
+                inference_config=C.inference_config(run),
+                cluster_options=_cluster_options(run),
+            )
         engine_model = copy.deepcopy(model)
         return cls(
             C.manager_config(run, **changes),
@@ -324,6 +350,9 @@ class RolloutManager:
         self._groups.clear()
         self._ready.clear()
         atexit.unregister(self._atexit)
+        close = getattr(self.engine, "close", None)
+        if self._owns_engine and callable(close):
+            close()  # engine processes and coordinator (dp > 1)
 
     def __enter__(self) -> RolloutManager:
         return self
@@ -353,6 +382,9 @@ class RolloutManager:
                 raise RuntimeError("rollout thread failed") from self._error
             self._commands.append((fn, fut))
             self._cv.notify_all()
+        wake = getattr(self.engine, "wake", None)
+        if wake is not None:  # a cluster engine blocks in step() waiting for records
+            wake()
         return fut.result(timeout=self.config.collect_timeout_s)
 
     def _do_suspend(self) -> int:
@@ -620,6 +652,19 @@ class RolloutManager:
     def _num_collect_groups(self) -> int:
         with self._cv:
             return sum(1 for g in self._groups.values() if g.for_collect)
+
+
+def _cluster_options(run: Any) -> dict[str, Any]:
+    """EngineCluster kwargs from a run config's coordinator group."""
+    c = run.coordinator
+    coordinator = {
+        "host": c.host, "port": c.port, "policy": getattr(c.policy, "value", c.policy),
+        "alpha": c.prefix_alpha, "max_hash_entries": c.prefix_table_size,
+        "heartbeat_s": c.heartbeat_s, "engine_timeout_s": c.engine_timeout_s,
+        "deterministic": c.deterministic, "schedule_output_path": c.schedule_log,
+        "block_size": run.engine.block_size,
+    }  # fmt: skip
+    return {"coordinator": coordinator, "auth_token": c.token, "seed": run.recipe.seed}
 
 
 def _check_n(n: int) -> None:

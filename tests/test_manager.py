@@ -314,5 +314,7 @@ def test_from_run_config_with_text_prompts():
         out = m.generate(["hello"], n=2, sampling_params=_sp(4))
         assert len(out) == 2 and all(isinstance(s.completion_text, str) for s in out)
         assert out[0].prompt == "hello" and len(out[0].logprobs) == 4
-    with pytest.raises(NotImplementedError, match="dp=2"):
-        RolloutManager.from_config(C.to_run_config({"rollout": {"dp": 2}}))
+    with pytest.raises(ValueError, match="dp must be"):  # dp > 1: tests/test_manager_dp.py
+        RolloutManager(model=model, dp=0)
+    with pytest.raises(ValueError, match="cluster_options only apply"):
+        RolloutManager(model=model, cluster_options={"bucket_bytes": 16})

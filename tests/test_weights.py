@@ -75,15 +75,27 @@ def test_layout_is_aligned_and_checksums_catch_swaps():
         bucket_checksum(buf, "md5")
 
 
-def test_sum_checksum_catches_word_changes_and_swaps_across_rows_and_columns():
+def test_sum_checksum_catches_changes_row_swaps_shifts_and_truncation():
+    """The documented power of `sum`: any changed word, rows (4 KiB) moved, a range shifted or
+    cut short, the ragged tail. Swapping two words inside one row is out of scope (no byte-range
+    transfer can do that) and stays undetected: pinned so a change of algorithm is deliberate."""
     buf = torch.randint(0, 256, (3 * 512 * 8 + 13,), dtype=torch.uint8)
     ref = bucket_checksum(buf, "sum")
     words = buf[: 3 * 512 * 8].view(torch.int64)
-    for a, b in ((0, 1), (0, 512), (5, 517), (7, 1500)):  # same row, same column, both differ
+    for a, b in ((0, 512), (5, 517), (7, 1500)):  # different rows
         w = buf.clone()
-        ww = w[: 3 * 512 * 8].view(torch.int64)
-        ww[[a, b]] = words[[b, a]]
+        w[: 3 * 512 * 8].view(torch.int64)[[a, b]] = words[[b, a]]
         assert bucket_checksum(w, "sum") != ref, (a, b)
+    for i in (0, 700, 1535):
+        w = buf.clone()
+        w[: 3 * 512 * 8].view(torch.int64)[i] += 1
+        assert bucket_checksum(w, "sum") != ref, i
+    shifted = torch.cat([buf[16:], buf[:16]])
+    assert bucket_checksum(shifted, "sum") != ref
+    assert bucket_checksum(buf[:-8], "sum") != ref
     flipped = buf.clone()
     flipped[-1] ^= 1  # the tail
     assert bucket_checksum(flipped, "sum") != ref
+    same_row = buf.clone()
+    same_row[: 3 * 512 * 8].view(torch.int64)[[0, 1]] = words[[1, 0]]
+    assert bucket_checksum(same_row, "sum") == ref

@@ -15,6 +15,7 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -51,6 +52,7 @@ class EngineWorker:
         capacity: int | None = None,
         coordinator_timeout_s: float = 30.0,
         register_timeout_s: float = 30.0,
+        weight_sync: dict | None = None,
     ):
         self.engine = engine
         self.address = address
@@ -76,6 +78,7 @@ class EngineWorker:
         self.sock.connect(address)
         self._last_recv = time.monotonic()
         self._next_hb = 0.0
+        self.sync = _WorkerSync(engine, weight_sync) if weight_sync else None
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -127,6 +130,8 @@ class EngineWorker:
             self.close()
 
     def close(self) -> None:
+        if self.sync is not None:
+            self.sync.close()
         if self.sock.closed:
             return
         with contextlib.suppress(zmq.ZMQError):
@@ -247,6 +252,9 @@ class EngineWorker:
             if self.suspended is not None:
                 self.engine.resume()
                 self.suspended = None
+        elif header is Headers.SET_WEIGHT_VERSION and self.sync is not None:
+            info = self._receive_weights(fields[1])
+            self.weight_version = int(getattr(self.engine, "weight_version", self.weight_version))
         elif header is Headers.SET_WEIGHT_VERSION:
             self.weight_version = fields[1]
             info["weight_version"] = fields[1]
@@ -254,6 +262,25 @@ class EngineWorker:
             self.running = False
         self.counters["acks"] += 1
         self._send(Headers.CONTROL_ACK, seq, int(header), info)
+
+    def _receive_weights(self, version: int) -> dict:
+        """Take part in the trainer's broadcast of `version` (blocking this loop: no step runs
+        until the weights are applied or refused); heartbeats keep flowing meanwhile."""
+        done = threading.Event()
+        out: dict = {}
+        load = _plain(self.engine.load())
+
+        def run() -> None:
+            try:
+                out.update(self.sync.receive(version))
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="rollout-weight-sync", daemon=True).start()
+        while not done.wait(self.heartbeat_s):
+            self._send(Headers.HEARTBEAT, load)  # the coordinator must not think we died
+        self._last_recv = time.monotonic()
+        return out
 
     # ---- stepping -----------------------------------------------------------------------
 
@@ -332,15 +359,15 @@ class EngineWorker:
         factory_kwargs: dict | None = None,
         worker_kwargs: dict | None = None,
     ) -> mp.Process:
-        """Start a worker in a spawned child process (the factory must be importable)."""
-        proc = mp.get_context("spawn").Process(
-            target=cls.entrypoint,
-            args=(address, rank, engine_factory, factory_kwargs, worker_kwargs),
-            daemon=True,
-            name=f"rollout-engine-{rank}",
+        """Start a worker in a spawned child process (the factory must be importable). The child
+        exits when this process dies (see rollout.runtime.spawn_child)."""
+        from rollout.runtime import spawn_child
+
+        return spawn_child(
+            cls.entrypoint,
+            (address, rank, engine_factory, factory_kwargs, worker_kwargs),
+            f"rollout-engine-{rank}",
         )
-        proc.start()
-        return proc
 
 
 _CONTROL = frozenset(
@@ -353,6 +380,82 @@ _CONTROL = frozenset(
         Headers.SET_WEIGHT_VERSION,
     }
 )
+
+
+class _WorkerSync:
+    """Engine side of weight sync: rank `rank` of the trainer's group, joined lazily on the first
+    SET_WEIGHT_VERSION and rebuilt when the trainer starts a new group generation (after a
+    broken transfer). Weights are applied with `engine.update_weights` only after the whole
+    transfer verified on every rank (rollout.weights two-phase commit)."""
+
+    def __init__(self, engine: Any, info: dict):
+        self.engine = engine
+        self.info = info
+        self.report_checksum = bool(info.get("report_checksum", True))
+        self.store: Any = None
+        self.generation: str | None = None
+        self.receiver: Any = None
+
+    def _group(self) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        from rollout.runtime import STORE_KEY
+        from rollout.weights import WeightReceiver
+
+        timeout = datetime.timedelta(seconds=float(self.info.get("timeout_s", 300)))
+        if self.store is None:
+            self.store = dist.TCPStore(self.info["host"], int(self.info["port"]),
+                                       is_master=False, timeout=timeout)  # fmt: skip
+        gen = self.store.get(STORE_KEY).decode()
+        if gen == self.generation:
+            return
+        self.close_group()
+        number, backend = gen.split(":")
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"rollout/weight_sync/{number}/", self.store),
+            rank=int(self.info["rank"]),
+            world_size=int(self.info["world"]),
+            timeout=timeout,
+        )
+        self.generation = gen
+        self.receiver = WeightReceiver(
+            self.engine.model, apply_fn=self.engine.update_weights, allow_cast=True
+        )
+
+    def receive(self, version: int) -> dict:
+        from rollout.weights import WeightSyncError, state_dict_checksum
+
+        try:
+            self._group()
+            self.receiver.version = int(self.engine.weight_version)
+            result = self.receiver.receive()
+            if result.version != version:
+                raise WeightSyncError(f"received version {result.version}, announced {version}")
+        except Exception as e:  # refused, corrupt or broken: the old weights keep serving
+            if not isinstance(e, WeightSyncError) or e.transport_broken:
+                self.close_group()
+            log.warning("weight sync to version %d failed: %s", version, e)
+            return {"weight_version": int(self.engine.weight_version), "error": str(e)}
+        info = {"weight_version": int(self.engine.weight_version), "bytes": result.num_bytes,
+                "seconds": result.seconds}  # fmt: skip
+        if self.report_checksum:
+            info["checksum"] = state_dict_checksum(self.engine.model)
+        return info
+
+    def close_group(self) -> None:
+        import torch.distributed as dist
+
+        self.generation = self.receiver = None
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+    def close(self) -> None:
+        self.close_group()
+        self.store = None
 
 
 def _exit_on_signal(signum: int, frame: Any) -> None:
@@ -383,21 +486,31 @@ def build_engine(
     seed: int = 0,
     device: str | None = None,
     dtype: str | None = None,
+    tokenizer: str | None = None,
+    vocab_size: int | None = None,
+    weight_version: int = 0,
     **inference_config: Any,
 ) -> Any:
-    """Engine factory for worker processes: "tiny" (random tiny Llama + ByteTokenizer, seeded so
-    every process gets identical weights) or an HF checkpoint directory."""
+    """Engine factory for worker processes: a preset ("tiny" | "small" | "medium": random weights
+    seeded so every process gets identical ones) or an HF checkpoint directory. `tokenizer` is
+    "byte", "none" (token-id prompts only), a tokenizer directory, or None (presets: byte;
+    checkpoints: the checkpoint's own)."""
     from rollout.engine.config import InferenceConfig, resolve_dtype
     from rollout.engine.engine import DynamicInferenceEngine
     from rollout.models import ModelConfig, build_model, load_pretrained
     from rollout.tokenizers import ByteTokenizer, load_tokenizer
 
-    if model == "tiny":
-        tokenizer = ByteTokenizer()
-        config = ModelConfig.preset("tiny", vocab_size=tokenizer.vocab_size)
+    preset = model in ("tiny", "small", "medium")
+    if tokenizer == "byte" or (tokenizer is None and preset):
+        tok = ByteTokenizer()
+    elif tokenizer == "none":
+        tok = None
+    else:
+        tok = load_tokenizer(tokenizer or model)
+    if preset:
+        config = ModelConfig.preset(model, vocab_size=vocab_size or tok.vocab_size)
         net = build_model(config, device=device, seed=seed)
     else:
         net, _ = load_pretrained(model, device=device or "cpu", dtype=resolve_dtype(dtype))
-        tokenizer = load_tokenizer(model)
     cfg = InferenceConfig(device=device, dtype=dtype, **inference_config)
-    return DynamicInferenceEngine(net.eval(), tokenizer, cfg)
+    return DynamicInferenceEngine(net.eval(), tok, cfg, weight_version)
