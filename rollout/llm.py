@@ -1,9 +1,14 @@
 """`LLM` / `AsyncLLM`: the high-level entry point over one engine.
 
 Direct mode (`use_coordinator=False`) drives a `DynamicInferenceEngine` in-process: `generate`
-runs `engine.step()` to completion. Lifecycle methods (pause/unpause/suspend/resume/shutdown)
-only make sense with a coordinator and raise RuntimeError here. Coordinator mode plugs in at
-`_start_coordinator` and the `_coordinator_*` calls below.
+runs `engine.step()` to completion, and lifecycle methods raise RuntimeError.
+
+Coordinator mode (`use_coordinator=True`) starts a coordinator and `data_parallel_size` engine
+processes (`rollout.runtime.EngineCluster`; every engine loads the same weights) and talks to
+them through an `InferenceClient` on a background event loop (seed 002's event-loop manager +
+coordinator runtime). `generate` submits every prompt and gathers the records in input order;
+pause/unpause/suspend/resume resolve only when every engine acknowledged; `update_weights`
+broadcasts new weights; `shutdown` leaves no process behind.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from torch import nn
 from rollout.engine.config import InferenceConfig
 from rollout.engine.engine import DynamicInferenceEngine
 from rollout.request import DynamicInferenceRequest
+from rollout.runtime import EngineCluster
 from rollout.sampling import SamplingParams
 
 PromptInput = str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]]
@@ -51,41 +57,86 @@ def _normalize_prompts(prompts: Any) -> tuple[list, bool]:
 class _LLMBase:
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | str,
         tokenizer: Any,
         inference_config: InferenceConfig | None = None,
         use_coordinator: bool = False,
-        **coordinator_kwargs: Any,
+        *,
+        data_parallel_size: int = 1,
+        coordinator: dict[str, Any] | None = None,
+        auth_token: str | None = None,
+        suspend_mode: str = "offload",
+        seed: int = 0,
     ) -> None:
         self.use_coordinator = bool(use_coordinator)
         self.tokenizer = tokenizer
+        self.suspend_mode = suspend_mode
+        self._engine: DynamicInferenceEngine | None = None
+        self._cluster: EngineCluster | None = None
+        self._lock = threading.Lock()  # one direct generate() drives the engine at a time
+        if self.use_coordinator:
+            self._cluster = EngineCluster(
+                data_parallel_size,
+                model,
+                seed=seed,
+                tokenizer=tokenizer,
+                inference_config=inference_config,
+                coordinator=coordinator,
+                auth_token=auth_token,
+            ).start()
+            return
+        extra = {"data_parallel_size": data_parallel_size != 1, "coordinator": coordinator,
+                 "auth_token": auth_token}  # fmt: skip
+        if any(extra.values()):
+            given = sorted(k for k, v in extra.items() if v)
+            raise ValueError(f"{given} need use_coordinator=True")
+        if not isinstance(model, nn.Module):
+            raise ValueError("direct mode needs an nn.Module model")
         self._engine = DynamicInferenceEngine(
             model, tokenizer, inference_config or InferenceConfig()
         )
-        self._lock = threading.Lock()  # one generate() drives the engine at a time
-        if self.use_coordinator:
-            self._start_coordinator(**coordinator_kwargs)
-        elif coordinator_kwargs:
-            raise ValueError(f"unexpected arguments in direct mode: {sorted(coordinator_kwargs)}")
 
     @property
     def engine(self) -> DynamicInferenceEngine:
+        """The in-process engine (direct mode; in coordinator mode engines live in processes)."""
+        if self._engine is None:
+            raise RuntimeError("coordinator mode: the engines run in their own processes")
         return self._engine
 
-    # -- coordinator mode hook (added by the coordinator integration) -------------------------
-    def _start_coordinator(self, **kwargs: Any) -> None:
-        raise NotImplementedError("coordinator mode is not available in this build")
+    @property
+    def cluster(self) -> EngineCluster:
+        return self._require_cluster("cluster")
 
-    def _assert_coordinator(self, what: str) -> None:
-        if not self.use_coordinator:
+    def _require_cluster(self, what: str) -> EngineCluster:
+        if self._cluster is None:
             raise RuntimeError(f"{what}() is for coordinator mode only (use_coordinator=True)")
+        return self._cluster
 
-    # -- direct mode --------------------------------------------------------------------------
     def _generate_direct(
         self, prompts: list, sp: SamplingParams | None
     ) -> list[DynamicInferenceRequest]:
         with self._lock:
-            return self._engine.generate(prompts, sp)
+            return self.engine.generate(prompts, sp)
+
+    async def _generate_on_loop(
+        self, prompts: list, sp: SamplingParams | None
+    ) -> list[DynamicInferenceRequest]:
+        """Runs on the cluster's loop: submit everything, gather in input order."""
+        client = self.cluster.client
+        futures = [client.add_request(p, sp) for p in prompts]
+        records = await asyncio.gather(*futures)
+        return [record.merge() for record in records]
+
+    async def _control(self, what: str) -> None:
+        """Runs on the cluster's loop: one acknowledged lifecycle signal."""
+        client = self.cluster.client
+        signals = {
+            "pause": client.pause_engines,
+            "unpause": client.unpause_engines,
+            "suspend": lambda: client.suspend_engines(self.suspend_mode),
+            "resume": client.resume_engines,
+        }
+        await signals[what]()
 
 
 class LLM(_LLMBase):
@@ -98,24 +149,34 @@ class LLM(_LLMBase):
         if not items:
             return []
         if self.use_coordinator:
-            raise NotImplementedError("coordinator-mode generate is not available in this build")
-        results = self._generate_direct(items, sampling_params)
+            cluster = self.cluster
+            results = cluster.loop.run_sync(self._generate_on_loop(items, sampling_params))
+        else:
+            results = self._generate_direct(items, sampling_params)
         return results if is_batch else results[0]
 
+    def _signal(self, what: str) -> None:
+        cluster = self._require_cluster(what)
+        cluster.loop.run_sync(self._control(what), cluster.sync_timeout_s)
+
     def pause(self) -> None:
-        self._assert_coordinator("pause")
+        self._signal("pause")
 
     def unpause(self) -> None:
-        self._assert_coordinator("unpause")
+        self._signal("unpause")
 
     def suspend(self) -> None:
-        self._assert_coordinator("suspend")
+        self._signal("suspend")
 
     def resume(self) -> None:
-        self._assert_coordinator("resume")
+        self._signal("resume")
+
+    def update_weights(self, weights: nn.Module | dict[str, torch.Tensor], version: int) -> dict:
+        """Broadcast new weights to every engine (verified; all-or-nothing)."""
+        return self._require_cluster("update_weights").update_weights(weights, version)
 
     def shutdown(self) -> None:
-        self._assert_coordinator("shutdown")
+        self._require_cluster("shutdown").close()
 
 
 class AsyncLLM(_LLMBase):
@@ -128,21 +189,33 @@ class AsyncLLM(_LLMBase):
         if not items:
             return []
         if self.use_coordinator:
-            raise NotImplementedError("coordinator-mode generate is not available in this build")
-        results = await asyncio.to_thread(self._generate_direct, items, sampling_params)
+            coro = self._generate_on_loop(items, sampling_params)
+            results = await self.cluster.loop.run_async(coro)
+        else:
+            results = await asyncio.to_thread(self._generate_direct, items, sampling_params)
         return results if is_batch else results[0]
 
+    async def _signal(self, what: str) -> None:
+        cluster = self._require_cluster(what)
+        await cluster.loop.run_async(self._control(what))
+
     async def pause(self) -> None:
-        self._assert_coordinator("pause")
+        await self._signal("pause")
 
     async def unpause(self) -> None:
-        self._assert_coordinator("unpause")
+        await self._signal("unpause")
 
     async def suspend(self) -> None:
-        self._assert_coordinator("suspend")
+        await self._signal("suspend")
 
     async def resume(self) -> None:
-        self._assert_coordinator("resume")
+        await self._signal("resume")
+
+    async def update_weights(
+        self, weights: nn.Module | dict[str, torch.Tensor], version: int
+    ) -> dict:
+        cluster = self._require_cluster("update_weights")
+        return await asyncio.to_thread(cluster.update_weights, weights, version)
 
     async def shutdown(self) -> None:
-        self._assert_coordinator("shutdown")
+        await asyncio.to_thread(self._require_cluster("shutdown").close)

@@ -1,0 +1,96 @@
+"""LLM / AsyncLLM in coordinator mode: real coordinator + 2 engine processes on a tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+import torch
+
+from rollout import LLM, AsyncLLM, InferenceConfig, SamplingParams
+from rollout.models import ModelConfig, build_model
+from rollout.tokenizers import ByteTokenizer
+
+SP = SamplingParams(temperature=0.0, num_tokens_to_generate=6, ignore_eos=True)
+PROMPTS = [
+    "hello",
+    [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],
+    "a longer prompt",
+]
+
+
+def _icfg() -> InferenceConfig:
+    return InferenceConfig(num_blocks=64, max_requests=8, streaming_interval=4)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(ModelConfig.preset("tiny", vocab_size=259), seed=3).eval()
+
+
+@pytest.fixture(scope="module")
+def llm(model):
+    llm = LLM(model, ByteTokenizer(), _icfg(), use_coordinator=True, data_parallel_size=2)
+    yield llm
+    llm.shutdown()
+
+
+def _direct(model, prompts, sp=SP):
+    out = LLM(model, ByteTokenizer(), _icfg()).generate(prompts, sp)
+    return [r.generated_tokens for r in out]
+
+
+def test_generate_matches_direct_mode_in_input_order(llm, model):
+    out = llm.generate(PROMPTS, SP)
+    assert [r.generated_tokens for r in out] == _direct(model, PROMPTS)
+    single = llm.generate("hello", SP)
+    assert single.generated_tokens == out[0].generated_tokens
+    assert llm.generate([], SP) == []
+
+
+def test_lifecycle_is_acknowledged_and_generation_continues(llm, model):
+    llm.pause()
+    llm.suspend()
+    llm.resume()
+    llm.unpause()
+    assert [r.generated_tokens for r in llm.generate(PROMPTS[:1], SP)] == _direct(
+        model, PROMPTS[:1]
+    )
+    assert len(llm.cluster.stats()["engines"]) == 2
+
+
+def test_update_weights_reaches_every_engine(llm, model):
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    acks = llm.update_weights(new, version=1)
+    assert sorted(acks) == [0, 1] and {a["weight_version"] for a in acks.values()} == {1}
+    out = llm.generate(PROMPTS, SP)
+    assert [r.generated_tokens for r in out] == _direct(new, PROMPTS)
+    assert all(set(r.generated_weight_versions) == {1} for r in out)
+
+
+def test_direct_mode_rejects_coordinator_arguments(model):
+    with pytest.raises(ValueError, match="use_coordinator=True"):
+        LLM(model, ByteTokenizer(), _icfg(), data_parallel_size=2)
+
+
+def test_async_llm_request_submitted_while_paused_completes_after_unpause(model):
+    async def scenario() -> None:
+        llm = AsyncLLM(model, ByteTokenizer(), _icfg(), use_coordinator=True)
+        try:
+            await llm.pause()
+            task = asyncio.ensure_future(llm.generate(PROMPTS[0], SP))
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            assert not done, "a request must wait while the engines are paused"
+            await llm.unpause()
+            result = await asyncio.wait_for(task, 60)
+            assert result.generated_tokens == _direct(model, PROMPTS[:1])[0]
+        finally:
+            procs = llm.cluster.processes
+            await llm.shutdown()
+        assert not any(p.is_alive() for p in procs)
+
+    asyncio.run(scenario())
