@@ -82,3 +82,55 @@ def test_serve_prints_pids_serves_and_leaves_nothing_behind(sig):
     while any(_alive(p) for p in pids.values()) and time.monotonic() < deadline:
         time.sleep(0.05)  # children are reaped by the CLI; bounded wait for the kernel
     assert not any(_alive(p) for p in pids.values()), pids
+
+
+def _read_until(proc: subprocess.Popen, pattern: str, timeout: float = 90) -> re.Match:
+    """Read lines until one matches (bounded by the process closing its stdout or a deadline)."""
+    deadline, seen = time.monotonic() + timeout, []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if m := re.search(pattern, line):
+            return m
+    raise AssertionError(f"no line matching {pattern!r} in:\n{''.join(seen)}")
+
+
+def test_engine_subcommand_joins_a_running_coordinator():
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "rollout.cli"]
+    serve = subprocess.Popen([*cmd, "serve", "--model", "tiny", "--dp", "1", "--auth-token", "s3"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+    extra = None
+    try:
+        address = _read_until(serve, r"coordinator (tcp://\S+) pid")[1]
+        _read_until(serve, r"^ready")
+        extra = subprocess.Popen([*cmd, "engine", "--coordinator", address, "--rank", "1",
+                                  "--model", "tiny", "--auth-token", "s3"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+        _read_until(extra, r"engine 1 pid \d+ -> tcp://")
+
+        async def scenario() -> int:
+            client = await InferenceClient(address, auth_token="s3").start()
+            try:
+                deadline = time.monotonic() + 60
+                while len((await client.stats())["engines"]) < 2:
+                    assert time.monotonic() < deadline, "the extra engine never registered"
+                    await asyncio.sleep(0.05)  # polling the coordinator's own view, bounded
+                sp = SamplingParams(temperature=0.0, num_tokens_to_generate=3)
+                recs = await asyncio.gather(
+                    *[client.add_request([i + 1] * 5, sp) for i in range(8)]
+                )
+                return sum(len(r.merge().generated_tokens) for r in recs)
+            finally:
+                client.stop()
+
+        assert asyncio.run(scenario()) == 24
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(30) == 0
+        assert extra.wait(60) == 0, "the remote engine must exit when its coordinator stops it"
+    finally:
+        for p in (serve, extra):
+            if p is not None and p.poll() is None:
+                p.kill()
