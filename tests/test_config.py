@@ -124,7 +124,8 @@ def test_hydra_type_errors_name_the_key(overrides, fragments):
     ("overrides", "fragments"),
     [
         (["rollout=async"], ["rollout.mode=async", "trainer.tis_cap"]),
-        (["engine.num_blocks=1", "rollout.max_new_tokens=64"], ["KV pool too small", "engine.num_blocks=1", "70"]),
+        (["engine.num_blocks=1", "rollout.max_new_tokens=64", "recipe.task_kwargs={min_len:2,max_len:4}"],
+         ["KV pool too small", "engine.num_blocks=1", "< 70 (prompt 6 + rollout.max_new_tokens 64)"]),
         (["engine.kv_cache_memory_bytes=4096"], ["KV pool too small", "engine.kv_cache_memory_bytes=4096", "8192 bytes per block"]),
         (["rollout.max_new_tokens=300"], ["engine.max_sequence_length=256", "rollout.max_new_tokens=300"]),
         (["rollout.dp=0"], ["rollout.dp must be >= 1, got 0"]),
