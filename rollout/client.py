@@ -4,6 +4,10 @@ Every request returns an `asyncio.Future` resolved by a background receive task 
 sleeps: it awaits the socket). Control methods return awaitables that resolve only when the
 coordinator has collected every live engine's ack, and raise `ControlError` when it refuses the
 transition. Token prompts go on the wire packed (int32 bytes), never as msgpack lists.
+
+Sends are batched per event-loop turn: a turn's first submission leaves at once (a lone request
+waits for nothing), the rest of a burst leaves as SUBMIT_BATCH frames when the turn ends, and any
+other message flushes the queue first, so the coordinator sees everything in call order.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import zmq
 
 from rollout.protocol import (
@@ -35,6 +40,12 @@ from rollout.request import DynamicInferenceRequestRecord
 from rollout.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+
+_SUBMIT = int(Headers.SUBMIT_REQUEST)
+_SUBMIT_BATCH = int(Headers.SUBMIT_BATCH)
+_MAX_BATCH = 256  # rows per SUBMIT_BATCH frame (a 512-token prompt row is ~2 KiB)
+_from_bytes = DynamicInferenceRequestRecord.from_bytes
+_packb = msgpack.packb
 
 
 class ClientError(RuntimeError):
@@ -104,6 +115,9 @@ class InferenceClient:
         self._controls: dict[int, asyncio.Future] = {}
         self._stats: dict[int, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
+        self._outbox: list[list] = []  # SUBMIT rows waiting for this loop turn's flush
+        self._turn_open = False  # a submission already left during this loop turn
+        self._kick_pending = False
         self._last_recv = 0.0
         self._stopped = False
         self.errors: list[str] = []  # ERRORs not tied to a pending future (kept for inspection)
@@ -148,14 +162,44 @@ class InferenceClient:
     def _send(self, frame: bytes, _starting: bool = False) -> None:
         if self._sock is None or self._stopped or not (self._started or _starting):
             raise ClientStopped("client is not started or already stopped")
+        if self._outbox:
+            self._flush()  # keep order: queued submissions go before this message
         self._sock.send(frame, zmq.NOBLOCK)  # SNDHWM=0: never blocks
-        self._kick()
+        self._kick_soon()
+
+    def _end_turn(self) -> None:
+        self._turn_open = False
+        self._flush()
+
+    def _flush(self) -> None:
+        """Send the submissions queued this loop turn: one frame, or a few for a huge burst."""
+        rows, self._outbox = self._outbox, []
+        if self._sock is None or self._stopped or not rows:
+            return
+        try:
+            if len(rows) == 1:
+                self._sock.send(_packb([_SUBMIT, *rows[0]], use_bin_type=True), zmq.NOBLOCK)
+            else:
+                for i in range(0, len(rows), _MAX_BATCH):
+                    chunk = rows[i : i + _MAX_BATCH]
+                    self._sock.send(_packb([_SUBMIT_BATCH, chunk], use_bin_type=True), zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # only if the socket broke: nothing queued can be answered
+            self._fail_all(ClientStopped(f"could not send to the coordinator: {e}"))
+            return
+        self._kick_soon()
+
+    def _kick_soon(self) -> None:
+        if not self._kick_pending:
+            self._kick_pending = True
+            self._loop.call_soon(self._kick)
 
     def _kick(self) -> None:
         """zmq's FD is edge-triggered and any socket call may consume the edge: if input is
-        already queued, drain it on the next loop iteration instead of waiting for a new edge."""
+        already queued, drain it now instead of waiting for a new edge. Runs once per loop turn
+        after sends (not per send: the EVENTS query costs as much as the send)."""
+        self._kick_pending = False
         if self._sock is not None and self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self._loop.call_soon(self._on_readable)
+            self._on_readable()
 
     def _on_readable(self) -> None:
         sock = self._sock
@@ -194,22 +238,30 @@ class InferenceClient:
             wire_prompt = pack_tokens(prompt)
         if not wire_prompt:
             raise ValueError("prompt must not be empty")
+        if self._sock is None or self._stopped or not self._started:
+            raise ClientStopped("client is not started or already stopped")
         crid = next(self._ids)
-        frame = encode(
-            Headers.SUBMIT_REQUEST,
+        row = [
             crid,
             wire_prompt,
             pack_obj(sp.serialize()),
             sp.num_tokens_to_generate,
-            _stream,
-        )
+            bool(_stream),
+        ]
         fut = RequestFuture(loop=asyncio.get_running_loop())
         fut.request_id = crid
         self._futures[crid] = fut
         self._submit_time[crid] = time.monotonic()
         if _stream:
             self._streams[crid] = asyncio.Queue()
-        self._send(frame)
+        if self._turn_open:
+            # the rest of this loop turn's burst leaves as SUBMIT_BATCH frames when the turn
+            # ends (or before any other message, so ordering holds): one socket send per burst
+            self._outbox.append(row)
+        else:  # the turn's first submission leaves at once: a lone request waits for nothing
+            self._turn_open = True
+            self._loop.call_soon(self._end_turn)
+            self._send(_packb([_SUBMIT, *row], use_bin_type=True))
         return fut
 
     async def stream(
@@ -311,11 +363,12 @@ class InferenceClient:
     def _resolve(self, crid: int, blob: bytes) -> None:
         fut = self._futures.pop(crid, None)
         t0 = self._submit_time.pop(crid, None)
-        self._finish_stream(crid)
+        if self._streams:
+            self._finish_stream(crid)
         if fut is None or fut.done():
             return
         try:
-            record = DynamicInferenceRequestRecord.from_bytes(blob)
+            record = _from_bytes(blob)
         except ValueError as e:
             fut.set_exception(RequestFailed(f"request {crid}: undecodable record: {e}"))
             return
@@ -378,6 +431,7 @@ class InferenceClient:
         """Fail everything pending with ClientStopped, say goodbye, close the socket."""
         if self._stopped:
             return
+        self._outbox = []  # never sent: those futures fail below like every other pending one
         if self._sock is not None and self._started:
             with contextlib.suppress(zmq.ZMQError, ClientStopped):
                 self._send(encode(Headers.DISCONNECT))

@@ -19,6 +19,8 @@ Message catalogue (C = client, Co = coordinator, E = engine); `SCHEMA` is author
                                 num_tokens_to_generate, stream]
     DISPATCH_REQUEST   Co->E   [request_id, prompt, sampling_params, block_hashes(packed int64),
                                 resume_tokens(packed int32), resume_log_probs(packed float64), stream]
+    SUBMIT_BATCH       C->Co   [[[client_request_id, prompt, sampling_params, num_tokens_to_generate,
+                                stream], ...]]   (SUBMIT_REQUESTs sent in one loop turn, one frame)
     REPLY              E->Co, Co->C   [[[id, record_bytes], ...]]           (batched per step)
     REPLY_PARTIAL      E->Co, Co->C   [[[id, new_tokens, new_log_probs, extra], ...]]
     ABORT_REQUEST      C->Co, Co->E   [id]
@@ -36,6 +38,8 @@ Message catalogue (C = client, Co = coordinator, E = engine); `SCHEMA` is author
 
 from __future__ import annotations
 
+import struct
+import sys
 from enum import IntEnum
 from typing import Any
 
@@ -61,6 +65,7 @@ class Headers(IntEnum):
     REPLY = 22
     REPLY_PARTIAL = 23
     ABORT_REQUEST = 24
+    SUBMIT_BATCH = 25
     # control (broadcast to engines and acknowledged)
     PAUSE = 40
     UNPAUSE = 41
@@ -143,6 +148,18 @@ SCHEMA: dict[Headers, tuple[tuple[str, Any], ...]] = {
         ("resume_tokens", BYTES),
         ("resume_log_probs", BYTES),
         ("stream", BOOL),
+    ),
+    Headers.SUBMIT_BATCH: (
+        (
+            "requests",
+            Rows(
+                ("client_request_id", INT),
+                ("prompt", PROMPT),
+                ("sampling_params", BYTES),
+                ("num_tokens_to_generate", INT),
+                ("stream", BOOL),
+            ),
+        ),
     ),
     Headers.REPLY: (("replies", Rows(("id", INT), ("record", BYTES))),),
     Headers.REPLY_PARTIAL: (
@@ -292,8 +309,18 @@ def _unpack(data: Any, dtype: np.dtype, what: str) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype)
 
 
+_LITTLE = sys.byteorder == "little"
+
+
 def pack_tokens(tokens: Any) -> bytes:
     """Token ids (list, 1-D tensor, ndarray) as int32 little-endian bytes."""
+    if type(tokens) in (list, tuple) and _LITTLE and not (tokens and type(tokens[0]) is bool):
+        # struct packs a list of ints ~4x faster than numpy; it also rejects non-integers and
+        # out-of-range values, which then go the numpy way for a precise error message
+        try:
+            return struct.pack(f"<{len(tokens)}i", *tokens)
+        except (struct.error, TypeError, OverflowError):
+            pass
     return _pack_ints(tokens, _I32, "tokens")
 
 

@@ -171,6 +171,7 @@ class DataParallelInferenceCoordinator:
         self._closed = False
         self._handlers = {
             Headers.SUBMIT_REQUEST: self._on_submit,
+            Headers.SUBMIT_BATCH: self._on_submit_batch,
             Headers.ABORT_REQUEST: self._on_abort,
             Headers.STATS: self._on_stats,
             Headers.HEARTBEAT: self._on_client_heartbeat,
@@ -228,10 +229,12 @@ class DataParallelInferenceCoordinator:
         """Serve until SHUTDOWN. Blocks in zmq poll (no sleeps); ticks drive heartbeats."""
         self._running = True
         sock, tick = self.socket, self.config.heartbeat_s / 2
+        poller = zmq.Poller()  # one Poller for the loop: Socket.poll builds a new one per call
+        poller.register(sock, zmq.POLLIN)
         next_tick = time.monotonic() + tick
         while self._running:
             wait_ms = max(0, int((next_tick - time.monotonic()) * 1000))
-            if sock.poll(wait_ms, zmq.POLLIN):
+            if poller.poll(wait_ms):
                 for _ in range(4096):
                     try:
                         parts = sock.recv_multipart(zmq.NOBLOCK)
@@ -452,6 +455,11 @@ class DataParallelInferenceCoordinator:
         self.counters["requests"] += 1
         self._dispatch(p)
 
+    def _on_submit_batch(self, client: ClientPeer, fields: list) -> None:
+        """Many SUBMIT_REQUESTs in one frame (the client batches what it sends per loop turn)."""
+        for row in fields[0]:
+            self._on_submit(client, row)
+
     def _hashes(self, packed_prompt: bytes) -> list[int]:
         """Block hashes, computed once here and forwarded so the engine need not recompute."""
         if self.config.policy not in PREFIX_POLICIES or self.block_size is None:
@@ -477,7 +485,7 @@ class DataParallelInferenceCoordinator:
         p.engine, p.reserved = key, cost
         p.dispatches += 1
         engine.requests.add(p.request_id)
-        if len(self.schedule) < 1_000_000:
+        if self.config.schedule_output_path and len(self.schedule) < 1_000_000:
             self.schedule.append(
                 {
                     "request_id": p.request_id,

@@ -1,0 +1,111 @@
+"""InferenceClient send path: submissions made in one loop turn leave as one SUBMIT_BATCH frame,
+and every other message (abort, control, stop) stays ordered after them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fake_engine import Harness, expected_tokens
+
+from rollout.client import ClientStopped, InferenceClient, RequestFailed
+from rollout.protocol import Headers, ProtocolError, decode, encode, pack_tokens
+from rollout.sampling import SamplingParams
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def harness():
+    h = Harness()
+    h.add_engine(0)
+    h.add_engine(1)
+    h.wait_engines(2)
+    yield h
+    h.close()
+
+
+@pytest.fixture
+async def client(harness):
+    c = await InferenceClient(harness.address).start()
+    yield c
+    c.stop()  # also on failure: an open socket would block zmq's context at exit
+
+
+def _submits(sent: list[bytes]) -> list[tuple[Headers, list]]:
+    """The submission frames among those sent (heartbeats may go out meanwhile)."""
+    out = [decode(f) for f in sent]
+    return [(h, f) for h, f in out if h in (Headers.SUBMIT_REQUEST, Headers.SUBMIT_BATCH)]
+
+
+async def test_burst_goes_out_batched_and_every_request_resolves(client):
+    sent: list[bytes] = []
+    real_send = client._sock.send
+    client._sock.send = lambda frame, flags=0: (sent.append(frame), real_send(frame, flags))[1]
+    sp = SamplingParams(temperature=0.0, num_tokens_to_generate=4)
+    prompts = [[i, i + 2, i + 5] for i in range(600)]  # > 2 * _MAX_BATCH rows in one turn
+    futs = [client.add_request(p, sp) for p in prompts]
+    assert len(sent) == 1  # the first leaves at once, the rest wait for the end of the turn
+    records = await asyncio.gather(*futs)
+    frames = _submits(sent)
+    headers = [h for h, _ in frames]
+    assert headers == [Headers.SUBMIT_REQUEST] + [Headers.SUBMIT_BATCH] * 3  # 599 = 256+256+87
+    (_, first), *batches = frames
+    rows = [first] + [r for _, b in batches for r in b[0]]
+    assert [r[0] for r in rows] == [f.request_id for f in futs]
+    for p, rec in zip(prompts, records, strict=True):
+        assert rec.merge().generated_tokens == expected_tokens(p, 4)
+    # a lone request goes as a plain SUBMIT_REQUEST
+    sent.clear()
+    await client.add_request([1, 2, 3], sp)
+    assert [h for h, _ in _submits(sent)] == [Headers.SUBMIT_REQUEST]
+    stats = await client.stats()
+    assert stats["counters"]["requests"] == 601 and stats["pending_requests"] == 0
+
+
+async def test_abort_right_after_submit_is_ordered_behind_it(client):
+    fut = client.add_request([9, 9], SamplingParams(num_tokens_to_generate=100_000))
+    client.abort(fut)  # same loop turn: the abort must not overtake the queued submission
+    rec = await asyncio.wait_for(fut, 10)
+    assert rec.merge().stop_reason == "abort"
+
+
+async def test_bad_rows_in_a_batch_fail_only_their_own_request(client):
+    sp = SamplingParams(num_tokens_to_generate=2)
+    good = client.add_request([1, 2], sp)
+    bad = client.add_request([3, 4], sp)
+    row = client._outbox[0]  # the first request already left; the second is queued
+    row[3] = 0  # num_tokens_to_generate < 1: the coordinator refuses just this row
+    with pytest.raises(RequestFailed, match="num_tokens_to_generate must be >= 1"):
+        await bad
+    assert (await good).merge().generated_tokens == expected_tokens([1, 2], 2)
+
+
+async def test_stop_fails_queued_submissions_without_sending_them(client):
+    fut = client.add_request([1, 2, 3], SamplingParams(num_tokens_to_generate=2))
+    client.stop()
+    with pytest.raises(ClientStopped):
+        await fut
+    await asyncio.sleep(0)  # the scheduled flush runs and must do nothing
+    with pytest.raises(ClientStopped):
+        client.add_request([1], SamplingParams())
+
+
+def test_submit_batch_schema_checks_every_row():
+    sp = b"\x80"
+    frame = encode(Headers.SUBMIT_BATCH, [[1, pack_tokens([1, 2]), sp, 3, False]])
+    assert decode(frame)[0] is Headers.SUBMIT_BATCH
+    with pytest.raises(ProtocolError, match=r"requests\[1\]\.num_tokens_to_generate must be int"):
+        encode(Headers.SUBMIT_BATCH, [[1, b"\0" * 4, sp, 3, False], [2, b"\0" * 4, sp, "3", False]])
+
+
+def test_pack_tokens_fast_path_matches_numpy_and_rejects_the_same_input():
+    import numpy as np
+
+    toks = [0, 5, -3, 2**31 - 1, -(2**31), np.int64(7)]
+    assert pack_tokens(toks) == np.asarray([int(t) for t in toks], dtype="<i4").tobytes()
+    assert pack_tokens(tuple(toks)) == pack_tokens(toks)
+    for bad, match in (([2**31], "fit in int32"), ([1, 2.5], "integers"), ([True, False], "integers"),
+                       ([[1, 2], [3, 4]], "1-D")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            pack_tokens(bad)
