@@ -5,17 +5,20 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 _SEED_LIMIT = 2**63
+_FLOAT_MAX = sys.float_info.max
 
 
 def _int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
     """An integral (not bool) value in [lo, hi); numpy ints are normalised to int."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    value = int(value)
+    if type(value) is not int:  # exact ints skip the (slow) abstract-class checks
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"{name} must be an int, got {value!r}")
+        value = int(value)
     if value < lo or (hi is not None and value >= hi):
         bound = f">= {lo}" if hi is None else f"in [{lo}, {hi})"
         raise ValueError(f"{name} must be {bound}, got {value!r}")
@@ -23,9 +26,10 @@ def _int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
 
 
 def _float(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    value = float(value)
+    if type(value) is not float:  # exact floats skip the (slow) abstract-class checks
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+        value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value!r}")
     return value
@@ -38,6 +42,8 @@ def _bool(name: str, value: Any) -> bool:
 
 
 def _seq(name: str, value: Any) -> list:
+    if type(value) is list:
+        return list(value)
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
         raise ValueError(f"{name} must be a list, got {value!r}")
     return list(value)
@@ -74,10 +80,12 @@ class SamplingParams:
                 raise ValueError(f"stop_words must hold non-empty str, got {w!r} in {words!r}")
         self.stop_words = words
         ids = _seq("stop_token_ids", self.stop_token_ids)
-        try:
-            self.stop_token_ids = [_int("stop_token_ids", t, 0) for t in ids]
-        except ValueError as e:
-            raise ValueError(f"{e} in {ids!r}") from None
+        if not all(type(t) is int and t >= 0 for t in ids):
+            try:
+                ids = [_int("stop_token_ids", t, 0) for t in ids]
+            except ValueError as e:
+                raise ValueError(f"{e} in {ids!r}") from None
+        self.stop_token_ids = ids
         self.return_log_probs = _bool("return_log_probs", self.return_log_probs)
         self.top_n_logprobs = _int("top_n_logprobs", self.top_n_logprobs, 0)
         self.return_prompt_log_probs = _bool(
@@ -110,11 +118,43 @@ class SamplingParams:
         """Inverse of serialize(); missing keys take defaults, unknown keys raise ValueError."""
         if not isinstance(obj, dict):
             raise ValueError(f"SamplingParams.deserialize expects a dict, got {type(obj).__name__}")
-        unknown = sorted(str(k) for k in set(obj) - _FIELDS)
-        if unknown:
+        if obj.keys() == _FIELDS and _already_valid(obj):  # what serialize() emits: skip __init__
+            sp = object.__new__(cls)
+            sp.__dict__.update(obj)
+            sp.stop_words, sp.stop_token_ids = list(obj["stop_words"]), list(obj["stop_token_ids"])
+            return sp
+        if not obj.keys() <= _FIELDS:
+            unknown = sorted(str(k) for k in set(obj) - _FIELDS)
             raise ValueError(f"unknown SamplingParams field(s): {unknown}")
         return cls(**obj)
 
 
 _FIELD_ORDER = tuple(f.name for f in dataclasses.fields(SamplingParams))
 _FIELDS = frozenset(_FIELD_ORDER)
+
+
+def _already_valid(d: dict[str, Any]) -> bool:
+    """True when every value already has the exact type and range __post_init__ would produce,
+    so validating again would change nothing (anything else takes the general path)."""
+    t, p, k, n = d["temperature"], d["top_p"], d["top_k"], d["num_tokens_to_generate"]
+    top_n, seed, words, ids = d["top_n_logprobs"], d["seed"], d["stop_words"], d["stop_token_ids"]
+    return (
+        type(t) is float
+        and 0.0 <= t <= _FLOAT_MAX
+        and type(p) is float
+        and 0.0 < p <= 1.0
+        and type(k) is int
+        and k >= 0
+        and type(n) is int
+        and n >= 1
+        and type(top_n) is int
+        and top_n >= 0
+        and (seed is None or (type(seed) is int and 0 <= seed < _SEED_LIMIT))
+        and type(d["return_log_probs"]) is bool
+        and type(d["return_prompt_log_probs"]) is bool
+        and type(d["ignore_eos"]) is bool
+        and type(words) is list
+        and (not words or all(type(w) is str and w for w in words))
+        and type(ids) is list
+        and (not ids or all(type(i) is int and i >= 0 for i in ids))
+    )

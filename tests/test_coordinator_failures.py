@@ -99,12 +99,27 @@ async def test_vanished_client_requests_aborted_and_maps_cleared(how):
                 t.cancel()
             client._sock.close(linger=0)
             client._sock = None
-        await _until(lambda: not h.coord.clients, what="client removal")
+        coord = h.coord
+        await _until(lambda: coord.counters["aborted_for_client"] == 10, what="client removal")
+        # From the moment the requests are forgotten, no engine may look loaded by them: not even
+        # by a heartbeat it sent before it saw the aborts (that one is still in flight or queued).
+        loads = {k: coord.router.load(k) for k in list(coord.engines)}
+        assert len(loads) == 2 and all(v == 0 for v in loads.values()), loads
         await _until(lambda: all(not w.engine._active for w in workers), what="engine aborts")
-        assert not h.coord.requests and not h.coord.orphans
-        assert h.coord.stats()["client_request_maps"] == 0
-        assert h.coord.counters["aborted_for_client"] == 10
-        assert all(h.coord.router.load(k) == 0 for k in h.coord.engines)
+        await _until(
+            lambda: all(not e.aborting for e in list(coord.engines.values())),
+            what="the engines' final replies for the aborted requests",
+        )
+        assert not coord.clients and not coord.requests and not coord.orphans
+        assert coord.stats()["client_request_maps"] == 0
+        assert coord.counters["aborted_for_client"] == 10
+        assert coord.counters["late_replies"] == 10  # each abort was confirmed by the engine
+        # heartbeats are published again once the aborts are confirmed, and they report idle
+        await _until(
+            lambda: all(e.load.get("running") == 0 for e in list(coord.engines.values())),
+            what="post-abort heartbeats",
+        )
+        assert all(coord.router.load(k) == 0 for k in coord.engines)
     finally:
         h.close()
 

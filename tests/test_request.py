@@ -92,6 +92,20 @@ def test_event_validation():
         DynamicInferenceEvent.deserialize({"type": "NOPE", "timestamp": 1.0})
 
 
+def test_event_deserialize_validates_like_the_constructor():
+    e = DynamicInferenceEvent.deserialize({"type": "PAUSE", "timestamp": 2})
+    assert type(e.timestamp) is float and e.timestamp == 2.0 and e.payload is None
+    e = DynamicInferenceEvent.deserialize({"type": "EVICT", "timestamp": 3.5, "payload": [1]})
+    assert e == DynamicInferenceEvent(ET.EVICT, 3.5, [1])
+    with pytest.raises(ValueError, match="payload"):
+        DynamicInferenceEvent.deserialize({"type": "FINISH", "timestamp": 1.0, "payload": (1, 2)})
+    for payload in (None, {"message": "x"}):
+        with pytest.raises(ValueError, match="is_transient"):
+            DynamicInferenceEvent.deserialize(
+                {"type": "ERROR_TRANSIENT", "timestamp": 1.0, "payload": payload}
+            )
+
+
 def test_event_helpers_cover_every_type():
     r = make()
     r.add_event_add_engine()
@@ -591,6 +605,45 @@ def test_deserialize_rejects_bad_fields(change, match):
     obj.update(change)
     with pytest.raises(ValueError, match=match):
         DynamicInferenceRequest.deserialize(obj)
+
+
+def test_deserialize_of_complete_dict_validates_and_normalises():
+    """A complete dict skips the generated __init__; __post_init__ must still run on it."""
+    obj = make(block_size_tokens=2).serialize()
+    before = msgpack.packb(obj)
+    r = DynamicInferenceRequest.deserialize(obj)
+    assert msgpack.packb(obj) == before  # the input is not modified
+    assert r == make(block_size_tokens=2)
+    r.prompt_tokens[0] = 99  # a fresh, writable tensor: nothing aliases the wire buffer
+    assert deserialize_tensor(obj["prompt_tokens"]).tolist() == [1, 2, 3, 4, 5]
+    stale = serialize_tensor(torch.tensor([1, 2, 3, 4, 5], dtype=torch.int64))
+    r = DynamicInferenceRequest.deserialize(
+        obj | {"prompt_tokens": serialize_tensor(i32([4, 5])), "kv_cache_staleness": stale}
+    )
+    assert r.prompt_tokens.dtype == torch.int64 and r.kv_cache_staleness.dtype == torch.int32
+    bad = [
+        ({"request_id": True}, "request_id"),
+        ({"prompt_tokens": serialize_tensor(torch.tensor([1.0]))}, "prompt_tokens"),
+        ({"prompt_tokens": serialize_tensor(torch.zeros(2, 2, dtype=torch.int64))}, "1-D"),
+        ({"policy_staleness": serialize_tensor(torch.zeros(2, 2, dtype=torch.int32))}, "policy"),
+        ({"block_size_tokens": 0}, "block_size_tokens"),
+        ({"tpot": b"\0" * 7}, "tpot"),
+        ({"events": 0}, "events"),
+        ({"events": [{"type": "FINISH", "timestamp": 1.0, "payload": [2**64]}]}, "payload"),
+    ]
+    for change, match in bad:
+        with pytest.raises(ValueError, match=match):
+            DynamicInferenceRequest.deserialize(obj | change)
+
+
+def test_deserialize_fills_missing_fields_with_defaults():
+    r = DynamicInferenceRequest.deserialize({"request_id": 3, "arrival_time": 1.0})
+    assert r == DynamicInferenceRequest(3, arrival_time=1.0)
+    r = DynamicInferenceRequest.deserialize(
+        {"request_id": 3, "prompt_tokens": serialize_tensor(torch.arange(5)),
+         "block_size_tokens": 2, "enable_prefix_caching": True}
+    )  # fmt: skip
+    assert r.precomputed_block_hashes == compute_block_hashes_batched(torch.arange(5), 2)
 
 
 @pytest.mark.parametrize(

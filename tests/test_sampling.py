@@ -24,38 +24,38 @@ def test_defaults_match_contract():
     assert b.stop_words == []
 
 
-@pytest.mark.parametrize(
-    "field, value",
-    [
-        ("temperature", -0.1),
-        ("temperature", math.nan),
-        ("temperature", math.inf),
-        ("temperature", "1.0"),
-        ("temperature", True),
-        ("top_k", -1),
-        ("top_k", 1.5),
-        ("top_k", True),
-        ("top_p", 0.0),
-        ("top_p", 1.0001),
-        ("top_p", -0.5),
-        ("top_p", math.nan),
-        ("num_tokens_to_generate", 0),
-        ("num_tokens_to_generate", 2.0),
-        ("stop_words", "stop"),
-        ("stop_words", [""]),
-        ("stop_words", [1]),
-        ("stop_token_ids", [-1]),
-        ("stop_token_ids", [1.0]),
-        ("stop_token_ids", 5),
-        ("top_n_logprobs", -1),
-        ("seed", -1),
-        ("seed", 2**63),
-        ("seed", 1.0),
-        ("return_log_probs", 1),
-        ("return_prompt_log_probs", None),
-        ("ignore_eos", "yes"),
-    ],
-)
+INVALID = [
+    ("temperature", -0.1),
+    ("temperature", math.nan),
+    ("temperature", math.inf),
+    ("temperature", "1.0"),
+    ("temperature", True),
+    ("top_k", -1),
+    ("top_k", 1.5),
+    ("top_k", True),
+    ("top_p", 0.0),
+    ("top_p", 1.0001),
+    ("top_p", -0.5),
+    ("top_p", math.nan),
+    ("num_tokens_to_generate", 0),
+    ("num_tokens_to_generate", 2.0),
+    ("stop_words", "stop"),
+    ("stop_words", [""]),
+    ("stop_words", [1]),
+    ("stop_token_ids", [-1]),
+    ("stop_token_ids", [1.0]),
+    ("stop_token_ids", 5),
+    ("top_n_logprobs", -1),
+    ("seed", -1),
+    ("seed", 2**63),
+    ("seed", 1.0),
+    ("return_log_probs", 1),
+    ("return_prompt_log_probs", None),
+    ("ignore_eos", "yes"),
+]
+
+
+@pytest.mark.parametrize("field, value", INVALID)
 def test_invalid_values_name_field_and_value(field, value):
     with pytest.raises(ValueError) as exc:
         SamplingParams(**{field: value})
@@ -113,6 +113,28 @@ def test_deserialize_validates():
         SamplingParams.deserialize({"top_p": 2.0})
 
 
+@pytest.mark.parametrize("field, value", INVALID)
+def test_deserialize_of_complete_dict_validates(field, value):
+    """A complete dict takes the no-__init__ fast path: it must reject exactly what __init__ does."""
+    obj = SamplingParams(stop_words=["s"], stop_token_ids=[2], seed=5).serialize()
+    obj[field] = value
+    with pytest.raises(ValueError, match=field):
+        SamplingParams.deserialize(obj)
+
+
+def test_deserialize_normalises_and_does_not_alias_input():
+    obj = SamplingParams().serialize()
+    obj.update(temperature=1, top_k=np.int64(2), stop_token_ids=(np.int32(3),), seed=np.uint8(4))
+    sp = SamplingParams.deserialize(obj)
+    assert (type(sp.temperature), type(sp.top_k), type(sp.seed)) == (float, int, int)
+    assert sp.stop_token_ids == [3] and type(sp.stop_token_ids[0]) is int
+    obj = SamplingParams(stop_words=["a"], stop_token_ids=[1]).serialize()
+    sp = SamplingParams.deserialize(obj)
+    obj["stop_words"].append("b")
+    obj["stop_token_ids"].append(2)
+    assert sp.stop_words == ["a"] and sp.stop_token_ids == [1]
+
+
 sampling_params = st.builds(
     SamplingParams,
     temperature=st.floats(0, 10, allow_nan=False),
@@ -135,6 +157,7 @@ def test_msgpack_round_trip_is_exact(sp):
     back = SamplingParams.deserialize(msgpack.unpackb(wire, raw=False))
     assert back == sp
     assert back.serialize() == sp.serialize()
+    assert all(type(getattr(back, f)) is type(getattr(sp, f)) for f in sp.serialize())
 
 
 def test_serialize_returns_fresh_lists():

@@ -92,6 +92,9 @@ class EnginePeer:
     load: dict = field(default_factory=dict)
     requests: set[int] = field(default_factory=set)
     stopped: bool = False
+    # Requests we aborted here and forgot, until the engine's final reply for each comes back:
+    # until then its heartbeats may predate the abort, so their load is not published.
+    aborting: set[int] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -522,11 +525,24 @@ class DataParallelInferenceCoordinator:
         else:  # never reached an engine: fail it here
             self._fail(p, "aborted before it reached an engine", Headers.ABORT_REQUEST)
 
+    def _abort_on(self, engine: EnginePeer, rid: int) -> None:
+        """Abort rid on an engine after forgetting it here (its reservation is released by the
+        caller). The engine's last published load still counts rid, and a heartbeat already in
+        flight may too: drop the snapshot and ignore heartbeats until the engine's final reply
+        for rid shows it has processed the abort. Routing falls back to local reservations."""
+        engine.requests.discard(rid)
+        engine.aborting.add(rid)
+        self.router.publish_load(engine.identity, 0)
+        self._send_engine(engine, encode(Headers.ABORT_REQUEST, rid))
+
     def _on_reply(self, engine: EnginePeer, fields: list) -> None:
         out: dict[bytes, list] = {}
+        aborting = engine.aborting
         for rid, record in fields[0]:
             p = self.requests.pop(rid, None)
             engine.requests.discard(rid)
+            if aborting:
+                aborting.discard(rid)
             if p is None:
                 self.counters["late_replies"] += 1
                 continue
@@ -535,8 +551,7 @@ class DataParallelInferenceCoordinator:
                 # answered by an engine we had given up on: stop the copy we re-dispatched
                 other = self.engines.get(p.engine)
                 if other is not None:
-                    other.requests.discard(rid)
-                    self._send_engine(other, encode(Headers.ABORT_REQUEST, rid))
+                    self._abort_on(other, rid)
             self.router.release(p.engine, p.reserved)
             client = self.clients.get(p.client)
             if client is not None:
@@ -645,7 +660,7 @@ class DataParallelInferenceCoordinator:
         load = fields[0]
         engine.load = load
         tokens = load.get("outstanding_tokens")
-        if type(tokens) is int:
+        if type(tokens) is int and not engine.aborting:  # else it may count aborted requests
             self.router.publish_load(engine.identity, tokens)
 
     def _on_client_heartbeat(self, client: ClientPeer, fields: list) -> None:
@@ -674,6 +689,7 @@ class DataParallelInferenceCoordinator:
                 "capacity": e.capacity,
                 "weight_version": e.weight_version,
                 "assigned": len(e.requests),
+                "aborting": len(e.aborting),
                 "outstanding_tokens": self.router.load(e.identity),
                 "stopped": e.stopped,
                 "load": e.load,
@@ -719,9 +735,8 @@ class DataParallelInferenceCoordinator:
             self.orphans.pop(rid, None)
             engine = self.engines.get(p.engine) if p.engine is not None else None
             if engine is not None:
-                engine.requests.discard(rid)
                 self.router.release(engine.identity, p.reserved)
-                self._send_engine(engine, encode(Headers.ABORT_REQUEST, rid))
+                self._abort_on(engine, rid)
             self.counters["aborted_for_client"] += 1
         client.requests.clear()
 
