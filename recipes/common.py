@@ -1,0 +1,405 @@
+"""The shared GRPO recipe loop: build, supervised warm start, RL steps, logging, plots.
+
+One RL step (colocated; async skips suspend/resume because the engine never stops):
+
+    manager.resume() -> collect prompts_per_step groups x samples_per_prompt samples
+    -> manager.suspend()             (KV pool freed before the trainer's forward/backward)
+    -> old log-probs, recomputed by the trainer model under no_grad (the proximal policy)
+    -> GRPO / PPO-clip loss with TIS against the engine's behaviour log-probs and a per-token
+       staleness mask -> optimizer step
+    -> manager.update_weights(model)  (the engine holds its own copy: this really syncs)
+    -> log rollout/*, engine/*, weight_sync/*, staleness/*, train/*
+
+The model is trained from scratch with a short supervised warm start first, so GRPO starts from
+a non-zero reward; the rest of the improvement is RL. Outputs go beside the run (Hydra's output
+folder): the offline W&B run, reward.png, staleness.png and metrics.json.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import os
+import random
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from rollout import config as C
+from rollout.manager import RolloutManager
+from rollout.metrics import save_plot, staleness_summary
+from rollout.samples import Sample, collate
+from trainer_hooks.losses import group_advantages, policy_loss, sequence_log_probs
+
+REWARD_KEYS = ("train/reward", "train/accuracy", "train/eval_reward", "train/eval_accuracy")
+STALENESS_KEYS = (
+    "staleness/policy_mean",
+    "staleness/policy_max",
+    "staleness/kv_mean",
+    "mismatch/logp_abs_diff_mean",
+)
+_MEAN_KEYS_MAX = ("train/ratio_max", "train/is_weight_max", "mismatch/logp_abs_diff_max",
+                  "mismatch/is_weight_raw_max")  # fmt: skip
+
+
+def ensure_override(argv: list[str], key: str, value: str) -> list[str]:
+    """argv with `key=value` appended unless the user already overrides `key` (Hydra apps that
+    share conf/config.yaml but default to another recipe)."""
+    if any(a.split("=", 1)[0].lstrip("+~") == key for a in argv[1:] if "=" in a):
+        return argv
+    return [*argv, f"{key}={value}"]
+
+
+# -- building blocks -------------------------------------------------------------------------------
+
+
+def prompt_source(task: Any, tokenizer: Any, rng: random.Random) -> Iterator[dict[str, Any]]:
+    """Endless prompts: token ids (bos + prompt, as in the warm start) plus the example."""
+    while True:
+        ex = task.make_example(rng)
+        yield {"prompt": task.prompt_ids(ex, tokenizer), "example": ex}
+
+
+def supervised_warm_start(
+    model: nn.Module, task: Any, tokenizer: Any, run: C.RunConfig, rng: random.Random
+) -> dict[str, float]:
+    """`trainer.warmup_sft_steps` teacher-forced steps on (prompt, answer, eos)."""
+    t = run.trainer
+    if t.warmup_sft_steps == 0:
+        return {}
+    device = next(model.parameters()).device
+    opt = torch.optim.AdamW(model.parameters(), lr=t.warmup_sft_lr or t.lr, betas=tuple(t.betas))
+    t0, loss = time.perf_counter(), torch.zeros(())
+    for _ in tqdm(range(t.warmup_sft_steps), desc="warm start (SFT)", leave=False, file=sys.stderr):
+        b = task.supervised_batch(t.batch, rng, tokenizer)
+        tokens, mask = b["tokens"].to(device), b["loss_mask"].to(device)
+        logp = sequence_log_probs(model(tokens), tokens, mask)
+        loss = -logp.sum() / mask.sum().clamp_min(1)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if t.grad_clip:
+            nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        opt.step()
+    return {"train/sft_loss": loss.item(), "train/sft_s": time.perf_counter() - t0}
+
+
+def reward_fn(task: Any, tokenizer: Any):
+    """Sample -> task reward from its completion ids (text up to eos; no eos = cut off)."""
+
+    def fn(s: Sample) -> float:
+        return 0.0 if s.failed else task.reward_tokens(s.completion_tokens, s.metadata["example"], tokenizer)  # fmt: skip
+
+    return fn
+
+
+def evaluate(
+    manager: RolloutManager, items: list[dict[str, Any]], sp: Any, reward: Any
+) -> dict[str, float]:
+    """Greedy decode of a fixed prompt set: mean reward and exact-answer accuracy."""
+    samples = manager.generate(items, n=1, sampling_params=sp)
+    rewards = [reward(s) for s in samples]
+    return {
+        "train/eval_reward": sum(rewards) / len(rewards),
+        "train/eval_accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
+    }
+
+
+def grpo_update(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    samples: list[Sample],
+    run: C.RunConfig,
+    pad_id: int,
+    ref_model: nn.Module | None = None,
+) -> dict[str, float]:
+    """One optimizer step per PPO epoch over the batch, in micro-batches of `trainer.batch`.
+
+    Old (proximal) log-probs are recomputed once with the current weights; the engine's
+    behaviour log-probs feed TIS and the mismatch metrics; tokens staler than
+    rollout.max_staleness are masked. A batch without signal (every group scored alike, no KL
+    term) is measured but takes no optimizer step.
+    """
+    t, r = run.trainer, run.rollout
+    device = next(model.parameters()).device
+    batch = {k: v.to(device) for k, v in collate(samples, pad_id).items()}
+    n = r.samples_per_prompt
+    adv = group_advantages(batch["rewards"], n, normalize_std=t.normalize_adv_std).to(device)
+    mask = batch["completion_mask"]
+    norm_key = mask.sum(1) if t.loss_agg.value == "token_mean" else mask.any(1).float()
+    total = norm_key.sum().clamp_min(1).item()
+    # Every group scored alike: no gradient, and an Adam step would only coast on momentum.
+    skip = t.kl_coef == 0 and not bool(adv.any())
+    chunks = [slice(i, i + t.batch) for i in range(0, len(samples), t.batch)]
+    with torch.no_grad():
+        old = [sequence_log_probs(model(batch["tokens"][c]), batch["tokens"][c], mask[c]) for c in chunks]  # fmt: skip
+        ref = None
+        if ref_model is not None:
+            ref = [sequence_log_probs(ref_model(batch["tokens"][c]), batch["tokens"][c], mask[c]) for c in chunks]  # fmt: skip
+    sums: dict[str, float] = {}
+    maxes: dict[str, float] = {}
+    grad_norm, calls = 0.0, 0
+    for _ in range(t.ppo_epochs):
+        optimizer.zero_grad(set_to_none=True)
+        for k, c in enumerate(chunks):
+            new = sequence_log_probs(model(batch["tokens"][c]), batch["tokens"][c], mask[c])
+            loss, m = policy_loss(
+                new, old[k], adv[c], mask[c],
+                clip_eps_low=t.clip_eps_low, clip_eps_high=t.clip_eps_high,
+                behaviour_logp=batch["behaviour_logp"][c], tis_cap=t.tis_cap,
+                kl_coef=t.kl_coef, ref_logp=None if ref is None else ref[k],
+                loss_agg=t.loss_agg.value, staleness=batch["policy_staleness"][c],
+                max_staleness=r.max_staleness,
+            )  # fmt: skip
+            (loss * (norm_key[c].sum().item() / total)).backward()
+            for key, v in m.items():
+                if key in _MEAN_KEYS_MAX:
+                    maxes[key] = max(maxes.get(key, -math.inf), v)
+                else:
+                    sums[key] = sums.get(key, 0.0) + v
+            calls += 1
+        if t.grad_clip:
+            grad_norm = float(nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip))
+        if not skip:
+            optimizer.step()
+    out = {k: v / calls for k, v in sums.items()}
+    out.update(maxes)
+    out["train/tokens"] = sums.get("train/tokens", 0.0) / t.ppo_epochs
+    out["train/grad_norm"] = grad_norm
+    out["train/adv_abs_mean"] = float(adv.abs().mean())
+    out["train/skipped_step"] = float(skip)
+    return out
+
+
+def rollout_metrics(samples: list[Sample], collect_s: float, histograms: bool) -> dict[str, Any]:
+    """Lengths, train/reward*, staleness/* of this batch (throughput: see `_throughput`)."""
+    n_tok = sum(len(s.completion_tokens) for s in samples)
+    lens = [len(s.completion_tokens) for s in samples]
+    rewards = [float(s.reward) for s in samples]
+    mean = sum(rewards) / len(rewards)
+    out: dict[str, Any] = {
+        "rollout/collect_s": collect_s,  # time the trainer waited for the batch
+        "rollout/samples": len(samples),
+        "rollout/completion_len_mean": n_tok / len(samples),
+        "rollout/completion_len_max": max(lens),
+        "rollout/prompt_len_mean": sum(len(s.prompt_tokens) for s in samples) / len(samples),
+        "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+        "rollout/weight_versions_per_sample": sum(len(s.weight_versions) for s in samples) / len(samples),
+        "train/reward": mean,
+        "train/reward_std": (sum((x - mean) ** 2 for x in rewards) / len(rewards)) ** 0.5,
+        "train/accuracy": sum(x >= 1.0 for x in rewards) / len(rewards),
+    }  # fmt: skip
+    out.update(
+        staleness_summary(
+            [torch.tensor(s.policy_staleness, dtype=torch.int32) for s in samples],
+            kv=[torch.tensor(s.kv_staleness, dtype=torch.int32) for s in samples],
+            histograms=histograms,
+        )
+    )
+    return out
+
+
+# -- the loop --------------------------------------------------------------------------------------
+
+
+def run_recipe(cfg: Any) -> dict[str, Any]:
+    """Validate `cfg` (DictConfig from Hydra/compose, dict or RunConfig), train, log, plot.
+
+    Returns the summary written to metrics.json (start/end rewards, wall time, paths).
+    """
+    run = C.validate(cfg)
+    with _cpu_threads(run):
+        return _run(run)
+
+
+def _run(run: C.RunConfig) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    torch.manual_seed(run.recipe.seed)
+    rng = random.Random(run.recipe.seed)
+    task = C.task_of(run)
+    model, tok, _ = C.build_model_and_tokenizer(run)
+    out_dir = Path(C.wandb_dir(run))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    logger = C.build_logger(run)
+    histograms = getattr(logger, "mode", "disabled") != "disabled"  # wandb.Histogram needs W&B
+    manager = None
+    try:
+        sft = supervised_warm_start(model, task, tok, run, rng)
+        ref_model = _frozen_copy(model) if run.trainer.kl_coef > 0 else None
+        manager = RolloutManager.from_config(run, model=model, tokenizer=tok)  # engine: own copy
+        summary = _train(run, model, tok, task, manager, logger, rng, ref_model, sft, histograms)
+    finally:
+        if manager is not None:
+            manager.close()
+        run_dir = getattr(logger, "run_dir", None)
+        logger.finish()
+    summary.update(wall_s=time.perf_counter() - t_start, out_dir=str(out_dir),
+                   wandb_run_dir=None if run_dir is None else str(run_dir))  # fmt: skip
+    _write_outputs(run, logger, summary, out_dir)
+    _print_summary(run, logger, summary)
+    return summary
+
+
+def _train(
+    run: C.RunConfig,
+    model: nn.Module,
+    tok: Any,
+    task: Any,
+    manager: RolloutManager,
+    logger: Any,
+    rng: random.Random,
+    ref_model: nn.Module | None,
+    sft: dict[str, float],
+    histograms: bool,
+) -> dict[str, Any]:
+    t, r, colocated = run.trainer, run.rollout, run.rollout.mode.value == "colocated"
+    stops = list(getattr(tok, "eos_ids", None) or [tok.eos_id])
+    sp = C.sampling_params(run, stop_token_ids=stops)
+    greedy = C.sampling_params(run, stop_token_ids=stops, temperature=0.0, top_k=0, top_p=1.0)
+    reward = reward_fn(task, tok)
+    eval_rng = random.Random(run.recipe.seed + 1)
+    eval_items = [{"prompt": task.prompt_ids(ex, tok), "example": ex}
+                  for ex in task.sample_prompts(run.recipe.eval_prompts, eval_rng)]  # fmt: skip
+    source = prompt_source(task, tok, rng)
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)  # fmt: skip
+    first_eval: dict[str, float] = {}
+    last_eval: dict[str, float] = {}
+    suspended_s, tokens_before = 0.0, 0.0
+    bar = tqdm(range(t.steps), desc=run.recipe.name, file=sys.stderr, dynamic_ncols=True)
+    for step in bar:
+        t0 = time.perf_counter()
+        manager.resume()
+        resumed_at = time.perf_counter()
+        metrics: dict[str, Any] = dict(sft) if step == 0 else {}
+        if run.recipe.eval_every and step % run.recipe.eval_every == 0:
+            last_eval = evaluate(manager, eval_items, greedy, reward)
+            first_eval = first_eval or dict(last_eval)
+            metrics.update(last_eval)
+        tc = time.perf_counter()
+        samples = manager.collect(source, r.prompts_per_step, r.samples_per_prompt, reward, sp)
+        collect_s = time.perf_counter() - tc
+        if not samples:
+            raise RuntimeError("the rollout manager returned no samples (prompt source ended?)")
+        if colocated:
+            manager.suspend()
+        suspended_at = time.perf_counter()
+        metrics.update(grpo_update(model, opt, samples, run, tok.pad_id, ref_model))
+        metrics["train/update_s"] = time.perf_counter() - suspended_at
+        metrics["rollout/version"] = manager.update_weights(model)
+        if colocated:
+            suspended_s = time.perf_counter() - suspended_at
+        metrics.update(manager.stats())
+        # After stats(): the manager's staleness/* describe its last handed-out group; these
+        # describe the whole batch the loss saw.
+        metrics.update(rollout_metrics(samples, collect_s, histograms))
+        step_s = time.perf_counter() - t0
+        generated = metrics.get("rollout/tokens_generated", 0.0)  # manager counter (cumulative)
+        metrics.update({
+            "rollout/time_resumed_s": suspended_at - resumed_at,
+            "rollout/time_suspended_s": suspended_s,
+            # End-to-end rates over the whole step; async generation overlaps training.
+            "rollout/tokens_per_s": (generated - tokens_before) / step_s,
+            "rollout/samples_per_s": len(samples) / step_s,
+            "train/step_s": step_s,
+            "train/lr": opt.param_groups[0]["lr"],
+        })  # fmt: skip
+        logger.log(metrics, step=step)
+        tokens_before = generated
+        bar.set_postfix(reward=f"{metrics['train/reward']:.3f}", acc=f"{metrics['train/accuracy']:.2f}",
+                        eval=f"{last_eval.get('train/eval_reward', float('nan')):.3f}")  # fmt: skip
+        if "train/eval_reward" in metrics:
+            tqdm.write(f"step {step:5d}  reward {metrics['train/reward']:.3f}  "
+                       f"eval {metrics['train/eval_reward']:.3f}  "
+                       f"eval_acc {metrics['train/eval_accuracy']:.3f}", file=sys.stderr)  # fmt: skip
+    bar.close()
+    if run.recipe.eval_every:  # final greedy evaluation with the trained weights
+        manager.resume()
+        last_eval = evaluate(manager, eval_items, greedy, reward)
+        if colocated:
+            manager.suspend()
+        logger.log(last_eval, step=t.steps)
+    steps, rewards = logger.series("train/reward")
+    k = max(1, min(10, len(rewards) // 5))  # first/last few steps: sampled reward is noisy
+    return {
+        "recipe": run.recipe.name,
+        "mode": r.mode.value,
+        "steps": len(steps),
+        "start_reward": sum(rewards[:k]) / k,
+        "end_reward": sum(rewards[-k:]) / k,
+        "reward_window": k,
+        "start_eval_reward": first_eval.get("train/eval_reward"),
+        "end_eval_reward": last_eval.get("train/eval_reward"),
+        "start_eval_accuracy": first_eval.get("train/eval_accuracy"),
+        "end_eval_accuracy": last_eval.get("train/eval_accuracy"),
+        "final_version": manager.version,
+    }
+
+
+@contextlib.contextmanager
+def _cpu_threads(run: C.RunConfig) -> Iterator[None]:
+    """One intra-op thread for a tiny model on CPU unless OMP_NUM_THREADS says otherwise.
+
+    Its matmuls are too small to split: on a shared 2-core machine 60 steps took 9 s with one
+    thread and 83 s with two (threads spin against each other and the other processes).
+    """
+    small = run.model.name != C.HF_DIR and C.model_config(run).num_parameters() < 5_000_000
+    if not (small and C.resolve_device(run).type == "cpu" and "OMP_NUM_THREADS" not in os.environ):
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _frozen_copy(model: nn.Module) -> nn.Module:
+    ref = copy.deepcopy(model).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+# -- outputs ---------------------------------------------------------------------------------------
+
+
+def _write_outputs(run: C.RunConfig, logger: Any, summary: dict[str, Any], out_dir: Path) -> None:
+    """metrics.json (summary, config, scalar history) and the two plots."""
+    if run.logger.plot and logger.history:
+        title = f"{run.recipe.name} ({run.rollout.mode.value})"
+        summary["reward_png"] = str(save_plot(logger, out_dir / "reward.png", REWARD_KEYS, title))
+        summary["staleness_png"] = str(save_plot(logger, out_dir / "staleness.png", STALENESS_KEYS, title))  # fmt: skip
+    payload = {"summary": summary, "config": C.to_dict(run), "history": logger.history}
+    (out_dir / "metrics.json").write_text(json.dumps(payload, indent=1, default=float))
+
+
+def sparkline(values: list[float], width: int = 60) -> str:
+    """Reward curve in one line of block characters (bucket means, scaled to [0, 1])."""
+    if not values:
+        return ""
+    blocks = "▁▂▃▄▅▆▇█"
+    per = max(1, math.ceil(len(values) / width))
+    means = [
+        sum(values[i : i + per]) / len(values[i : i + per]) for i in range(0, len(values), per)
+    ]
+    return "".join(blocks[min(7, max(0, int(v * 8)))] for v in means)
+
+
+def _print_summary(run: C.RunConfig, logger: Any, s: dict[str, Any]) -> None:
+    _, rewards = logger.series("train/reward")
+    print(f"[{s['recipe']}] reward curve (0..1): {sparkline(rewards)}")
+    print(f"[{s['recipe']}] sampled reward {s['start_reward']:.3f} -> {s['end_reward']:.3f} "
+          f"(mean of first/last {s['reward_window']} steps), {s['steps']} steps, {s['wall_s']:.0f} s")  # fmt: skip
+    if s.get("start_eval_reward") is not None:
+        print(f"[{s['recipe']}] greedy eval reward {s['start_eval_reward']:.3f} -> "
+              f"{s['end_eval_reward']:.3f}, exact {s['start_eval_accuracy']:.3f} -> "
+              f"{s['end_eval_accuracy']:.3f}")  # fmt: skip
+    print(f"[{s['recipe']}] outputs: {s['out_dir']}")
