@@ -108,7 +108,7 @@ def test_lru_evicts_leaves_first_and_least_recent():
     bm.free(old)
     new = _cache_chain(bm, list(range(100, 112)))
     bm.free(new)
-    assert not bm.free_ids  # everything cached now
+    assert bm.num_available == bm._idle == 6  # everything cached now, nothing free
     got = bm.allocate(2)
     # the older chain goes first, deepest block first: a parent never before its child
     assert got == [old[2], old[1]]
@@ -149,3 +149,56 @@ def test_randomized_invariants():
         bm.free(t)
     assert bm.num_available == bm.num_blocks
     bm.check_invariants()
+
+
+def test_allocation_prefers_contiguous_runs_with_room_to_grow():
+    bm = BlockManager(32, BS, enable_prefix_caching=False)
+    a = bm.allocate(3, room=4)  # a will grow by 4 blocks
+    b = bm.allocate(2, room=2)
+    assert a == [0, 1, 2] and b == [7, 8]  # b starts after a's room
+    assert bm.allocate(2, after=a[-1]) == [3, 4]  # a grows in place
+    assert bm.allocate(1, after=b[-1]) == [9]
+    c = bm.allocate(3, after=8)  # 9 is taken: a fresh run instead
+    assert c == [11, 12, 13] and len(set(c)) == 3
+    bm.check_invariants()
+
+
+def test_allocation_falls_back_to_scattered_blocks_when_no_run_fits():
+    bm = BlockManager(8, BS, enable_prefix_caching=False)
+    ids = bm.allocate(8)
+    bm.free(ids[1::2])  # free 1, 3, 5, 7: no run of 2 anywhere
+    got = bm.allocate(3, room=5)
+    assert sorted(got) == [1, 3, 5] or len(set(got) & {1, 3, 5, 7}) == 3
+    assert bm.num_available == 1
+    bm.check_invariants()
+    with pytest.raises(RuntimeError, match="out of KV blocks"):
+        bm.allocate(2)
+
+
+def test_pop_evicted_hashes_reports_lru_evictions_and_version_drops_once():
+    bm = BlockManager(6, BS)
+    old = _cache_chain(bm, list(range(12)))
+    hashes = compute_block_hashes_batched(list(range(12)), BS)
+    bm.free(old)
+    assert bm.pop_evicted_hashes() == []
+    _cache_chain(bm, list(range(100, 112)))  # the 3 free blocks: nothing evicted
+    assert bm.pop_evicted_hashes() == []
+    bm.allocate(2)  # nothing free: evicts the LRU chain leaf first
+    assert bm.pop_evicted_hashes() == [hashes[2], hashes[1]]
+    assert bm.pop_evicted_hashes() == []  # reported once
+    bm.drop_blocks_older_than(1)  # every cached block is version 0
+    assert sorted(bm.pop_evicted_hashes()) == sorted(
+        hashes[:1] + compute_block_hashes_batched(list(range(100, 112)), BS)
+    )
+    bm.check_invariants()
+
+
+def test_pop_evicted_hashes_skips_hashes_cached_again():
+    bm = BlockManager(2, BS)
+    tokens = list(range(4))
+    (bid,) = _cache_chain(bm, tokens)
+    bm.free([bid])
+    bm.allocate(2)  # evicts it
+    bm.free([0, 1])
+    _cache_chain(bm, tokens)  # cached again before anyone asked
+    assert bm.pop_evicted_hashes() == []

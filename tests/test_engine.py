@@ -135,6 +135,11 @@ def test_log_probs_match_reference(model):
             vals, ids = logp[n - 1 + i].topk(3)
             assert list(top) == ids.tolist()
             assert list(top.values()) == pytest.approx(vals.tolist(), abs=1e-5)
+        assert len(r.prompt_top_n_logprobs) == n - 1  # one per prompt token after the first
+        for i, top in enumerate(r.prompt_top_n_logprobs):
+            vals, ids = logp[i].topk(3)
+            assert list(top) == ids.tolist()
+            assert list(top.values()) == pytest.approx(vals.tolist(), abs=1e-5)
 
 
 def test_shared_prompt_is_computed_once(model):

@@ -311,3 +311,61 @@ def test_dtype_on_load_and_training_grads(tmp_path):
     loss = torch.nn.functional.cross_entropy(f32(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
     loss.backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in f32.parameters())
+
+
+def test_forward_paged_zero_copy_and_shared_prefix_paths():
+    """Contiguous tables (slices of the pool), scattered ones (gathered) and decode rows that
+    share prompt blocks (cascade) in the same batches all match the dense forward."""
+    from rollout.models.attention import AttentionPlan
+
+    config = ModelConfig.preset("tiny", vocab_size=64)
+    model = build_model(config, seed=2).eval()
+    bs = 4
+    gen = torch.Generator().manual_seed(7)
+
+    def rand(n):
+        return torch.randint(0, 64, (n,), generator=gen).tolist()
+
+    prompt = rand(40)
+    seqs = {f"s{i}": prompt + rand(6) for i in range(3)}  # samples sharing the prompt's blocks
+    seqs.update(p=prompt, long=rand(47), short=rand(14))
+    tables = {
+        "p": list(range(10)),
+        "s0": list(range(12)),  # contiguous with the prompt: one slice
+        "s1": [*range(10), 30, 25],  # own blocks elsewhere: gathered
+        "s2": [*range(10), 12, 13],
+        "long": list(range(40, 52)),
+        "short": [60, 58, 56, 54],
+    }
+    cache = torch.zeros(kv_cache_shape(config, 64, bs))
+
+    def step(items):  # (name, start, end)
+        ids, pos = [], []
+        for name, start, end in items:
+            ids += seqs[name][start:end]
+            pos += range(start, end)
+        meta = PagedAttentionMetadata.from_lists(
+            [e - s for _, s, e in items], [e for _, _, e in items],
+            [tables[n] for n, _, _ in items], bs,
+        )  # fmt: skip
+        with torch.no_grad():
+            logits = model.compute_logits(
+                model.forward_paged(torch.tensor(ids), torch.tensor(pos), meta, cache)
+            )
+            row = 0
+            for name, start, end in items:
+                ref = model(torch.tensor([seqs[name][:end]]))[0, start:end]
+                assert (ref - logits[row : row + end - start]).abs().max().item() <= 1e-5, name
+                row += end - start
+        return AttentionPlan(meta, bs, len(ids))
+
+    step([("p", 0, 40), ("long", 0, 43), ("short", 0, 10)])
+    plan = step([("s0", 40, 43), ("s1", 40, 43), ("s2", 40, 43), ("long", 43, 44),
+                 ("short", 10, 11)])  # fmt: skip
+    firsts = [p[3] for p in plan.prefills]
+    assert firsts == [0, None, None] and len(plan.decode_views) == 1  # s0 slice, s1/s2 gather
+    for t in range(3):
+        plan = step([(f"s{i}", 43 + t, 44 + t) for i in range(3)]
+                    + [("long", 44 + t, 45 + t), ("short", 11 + t, 12 + t)])  # fmt: skip
+        assert [b.num_rows for b in plan.shared_batches] == [3]
+        assert len(plan.decode_views) == 1 and len(plan.decode_groups) == 1  # long / short

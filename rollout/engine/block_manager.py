@@ -10,12 +10,20 @@ Three rules keep a hit correct:
   prefix, since its KV attends to the parents' KV) and only hits on the current version;
 - unreferenced registered blocks are evicted LRU, leaves only, so a parent never goes before
   its child (a child without its parent is unreachable, so evicting the parent first wastes it).
+
+Allocation prefers contiguous runs: a sequence's next block is the one right after its last
+when that is free, and a new run starts at a next-fit cursor that leaves `room` free blocks
+behind it for the sequence to grow into. Decode attention then reads a sequence's KV as a
+zero-copy slice of the pool instead of gathering it (on CPU the gather was the largest cost of
+a decode step). The room is only a preference: any free block can go to anyone.
+
+Hashes of blocks that leave the cache (LRU eviction, weight-version drops, reset) are kept
+until `pop_evicted_hashes()` so the engine can tell the coordinator's routing table.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -67,12 +75,17 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.stats = BlockStats()
         self._clock = 0
+        self._gone: list[int] = []  # hashes uncached since the last pop_evicted_hashes()
         self.reset()
 
     def reset(self) -> None:
         """Forget every block and cache entry (the KV pool itself was released or rebuilt)."""
+        if getattr(self, "cache", None):
+            self._gone.extend(self.cache)
         self.blocks = [Block(i) for i in range(self.num_blocks)]
-        self.free_ids: deque[int] = deque(range(self.num_blocks))
+        self._free = bytearray(b"\x01") * self.num_blocks  # 1 = free (no KV, no references)
+        self._num_free = self.num_blocks
+        self._cursor = 0  # next-fit start for new runs
         self.cache: dict[int, int] = {}  # hash -> block id
         self._idle = 0  # registered blocks with ref_count 0 (reclaimable)
         self._leaves: list[tuple[int, int]] = []  # heap of (last_used, id); lazily invalidated
@@ -81,7 +94,7 @@ class BlockManager:
     @property
     def num_available(self) -> int:
         """Blocks an allocation can get: free ones plus unreferenced cached ones."""
-        return len(self.free_ids) + self._idle
+        return self._num_free + self._idle
 
     @property
     def num_used(self) -> int:
@@ -95,17 +108,61 @@ class BlockManager:
         return self._clock
 
     # -- allocation ------------------------------------------------------------------------
-    def allocate(self, n: int) -> list[int]:
-        """n fresh blocks (ref 1), reclaiming LRU cached leaves when the free list runs dry."""
+    def allocate(self, n: int, after: int | None = None, room: int = 0) -> list[int]:
+        """n fresh blocks (ref 1), reclaiming LRU cached leaves when no free block is left.
+
+        Contiguity is preferred, never required: first the blocks right after `after` (the
+        caller's last block), then one free run at the next-fit cursor with `room` more free
+        blocks behind it (where the caller will grow), then any free blocks."""
         if n > self.num_available:
             raise RuntimeError(f"out of KV blocks: need {n}, have {self.num_available}")
-        out = []
-        for _ in range(n):
-            bid = self.free_ids.popleft() if self.free_ids else self._evict_one()
-            self.blocks[bid].ref_count = 1
-            out.append(bid)
+        out: list[int] = []
+        if after is not None:
+            b = after + 1
+            while len(out) < n and b < self.num_blocks and self._free[b]:
+                self._take(b)
+                out.append(b)
+                b += 1
+        k = n - len(out)
+        if k and self._num_free >= k:
+            start = self._find_run(k + room) if room else None
+            if start is None:
+                start = self._find_run(k)
+            if start is not None:
+                for b in range(start, start + k):
+                    self._take(b)
+                out.extend(range(start, start + k))
+                self._cursor = (start + k + room) % self.num_blocks
+        while len(out) < n:
+            if self._num_free:
+                b = self._free.find(1, self._cursor)
+                b = b if b >= 0 else self._free.find(1)
+                self._take(b)
+            else:
+                b = self._evict_one()
+            out.append(b)
+        for b in out:
+            self.blocks[b].ref_count = 1
         self.stats.blocks_allocated += n
         return out
+
+    def _find_run(self, length: int) -> int | None:
+        """First start of `length` free blocks at or after the cursor (wrapping), or None."""
+        if length > self._num_free:
+            return None
+        pattern = b"\x01" * length
+        i = self._free.find(pattern, self._cursor)
+        if i < 0:
+            i = self._free.find(pattern, 0, self._cursor + length - 1)
+        return i if i >= 0 else None
+
+    def _take(self, b: int) -> None:
+        self._free[b] = 0
+        self._num_free -= 1
+
+    def _release(self, b: int) -> None:
+        self._free[b] = 1
+        self._num_free += 1
 
     def _evict_one(self) -> int:
         while self._leaves:
@@ -135,7 +192,7 @@ class BlockManager:
                     heapq.heappush(self._leaves, (b.last_used, bid))
             else:
                 self._clear(b)
-                self.free_ids.append(bid)
+                self._release(bid)
 
     # -- prefix cache ----------------------------------------------------------------------
     def match_prefix(self, hashes: Sequence[int], tokens: Sequence[int], version: int) -> list[int]:
@@ -203,12 +260,18 @@ class BlockManager:
             if b.ref_count == 0:
                 self._idle -= 1
                 self._clear(b)
-                self.free_ids.append(b.block_id)
+                self._release(b.block_id)
         self.stats.blocks_dropped += len(stale)
         return len(stale)
 
+    def pop_evicted_hashes(self) -> list[int]:
+        """Hashes that left the cache since the last call and are not cached again now."""
+        gone, self._gone = self._gone, []
+        return list(dict.fromkeys(h for h in gone if h not in self.cache))
+
     def _deregister(self, b: Block) -> None:
         del self.cache[b.hash]
+        self._gone.append(b.hash)
         p = self.blocks[b.parent] if b.parent != NO_PARENT else None
         if p is not None and p.registered:  # (in drop_blocks_older_than it may be gone already)
             p.children -= 1
@@ -222,8 +285,8 @@ class BlockManager:
 
     def check_invariants(self) -> None:
         """Raise AssertionError on inconsistent bookkeeping (tests call this)."""
-        free = set(self.free_ids)
-        assert len(free) == len(self.free_ids), "duplicate ids in the free list"
+        free = {i for i in range(self.num_blocks) if self._free[i]}
+        assert len(free) == self._num_free, "free count out of sync with the free flags"
         idle = 0
         for b in self.blocks:
             if b.block_id in free:

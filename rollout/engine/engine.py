@@ -29,6 +29,7 @@ from rollout.engine.block_manager import NO_PARENT, BlockManager
 from rollout.engine.config import SUSPEND_MODES, InferenceConfig
 from rollout.engine.scheduler import ScheduledBatch, Scheduler
 from rollout.engine.sequence import Sequence
+from rollout.hashing import HASH_MODULUS
 from rollout.models.attention import PagedAttentionMetadata
 from rollout.models.config import kv_bytes_per_block, kv_cache_shape
 from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord, Status
@@ -115,9 +116,16 @@ class DynamicInferenceEngine:
         prompt: Prompt | None = None,
         sampling_params: SamplingParams | None = None,
         record: DynamicInferenceRequestRecord | None = None,
+        precomputed_block_hashes: Seq[int] | torch.Tensor | None = None,
     ) -> DynamicInferenceRequestRecord:
         """Queue a request (or resume a checkpointed `record`). A request that can never be
-        served becomes a FAILED record returned by the next step(); the engine goes on."""
+        served becomes a FAILED record returned by the next step(); the engine goes on.
+
+        `precomputed_block_hashes`: the chained hashes (rollout.hashing, this engine's block
+        size) of the leading complete blocks of the prompt (of the resumed segment's prompt
+        for `record=`), e.g. the coordinator's; they replace hashing here. At most one per
+        complete block. A wrong hash only costs cache hits: every hit is verified on tokens."""
+        given = self._check_hashes(precomputed_block_hashes)
         if record is None:
             record, error = self._new_record(request_id, prompt, sampling_params)
             if error is not None:
@@ -136,6 +144,7 @@ class DynamicInferenceEngine:
         if req.generated_tokens and req.remaining_tokens_to_generate > 0:
             record.checkpoint()  # resume: everything so far becomes the prompt
             req = record.requests[-1]
+            given = None if precomputed_block_hashes is None else given
         req.status = Status.WAITING_IN_QUEUE
         req.add_event_add_engine()
         try:
@@ -145,13 +154,59 @@ class DynamicInferenceEngine:
             return record
         sp = req.sampling_params
         seed = sp.seed if sp.seed is not None else self._next_seed()
+        full = req.prompt_length // self.config.block_size
+        if given is not None and len(given) > full:
+            raise ValueError(
+                f"precomputed_block_hashes has {len(given)} hashes but the prompt has only "
+                f"{full} complete blocks of {self.config.block_size} tokens"
+            )
+        if given:
+            req.precomputed_block_hashes = list(given)
         seq = Sequence(record, seed, record.requests[0].prompt_length, self.config.block_size,
-                       self._stop_words(sp), self._eos)  # fmt: skip
+                       self._stop_words(sp), self._eos, given)  # fmt: skip
         seq.streamed = seq.num_generated
         seq.log_probs = [x for r in record.requests for x in r.generated_log_probs]
         self._seqs[rid] = seq
         self.scheduler.add(seq)
         return record
+
+    @staticmethod
+    def _check_hashes(hashes: Seq[int] | torch.Tensor | None) -> list[int] | None:
+        if hashes is None:
+            return None
+        if isinstance(hashes, torch.Tensor):
+            if hashes.dim() != 1 or hashes.dtype.is_floating_point or hashes.dtype == torch.bool:
+                raise ValueError(
+                    f"precomputed_block_hashes must be a 1-D integer tensor, got "
+                    f"{hashes.dtype} {tuple(hashes.shape)}"
+                )
+            hashes = hashes.tolist()
+        if isinstance(hashes, (str, bytes)) or not isinstance(hashes, Seq):
+            raise ValueError(
+                f"precomputed_block_hashes must be a list of ints, got {type(hashes).__name__}"
+            )
+        out = []
+        for h in hashes:
+            if isinstance(h, bool) or not isinstance(h, int) or not 1 <= h <= HASH_MODULUS:
+                raise ValueError(
+                    f"precomputed_block_hashes must hold ints in [1, 2**63 - 1], got {h!r}"
+                )
+            out.append(h)
+        return out
+
+    def tokenize(self, text: str, add_bos: bool = True) -> list[int]:
+        """Token ids of `text` exactly as a str prompt is tokenized (BOS when asked for and the
+        tokenizer has one); the worker uses it to rebuild resumed text prompts."""
+        if not isinstance(text, str):
+            raise ValueError(f"tokenize takes a str, got {type(text).__name__}")
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer: pass token-id prompts")
+        return _tokenize(self.tokenizer, text, bos=add_bos)
+
+    def pop_evicted_hashes(self) -> list[int]:
+        """Block hashes that left this engine's prefix cache (LRU eviction, weight-update drops,
+        suspend(recompute)) since the last call and are not cached again; each once."""
+        return self.blocks.pop_evicted_hashes()
 
     def _new_record(
         self, request_id: int | None, prompt: Prompt | None, sp: SamplingParams | None
@@ -310,6 +365,8 @@ class DynamicInferenceEngine:
                 count = max(0, min(c + n, seq.request.prompt_length - 1) - c)
                 if seq.request.prompt_length <= 1:
                     seq.request.prompt_log_probs = []
+                    if seq.request.sampling_params.top_n_logprobs:
+                        seq.request.prompt_top_n_logprobs = []
                 elif count:
                     prompt_lp.append((seq, len(logit_rows), c, count))
                     logit_rows.extend(range(row, row + count))
@@ -341,12 +398,18 @@ class DynamicInferenceEngine:
 
     def _prompt_log_probs(self, prep: _Prepared, logits: torch.Tensor) -> None:
         for seq, first, start, count in prep.prompt_lp:
-            seq.prompt_lp = seq_lp = seq.prompt_lp[:start]
-            targets = torch.tensor(seq.tokens[start + 1 : start + 1 + count])
-            seq_lp.extend(sampler.prompt_log_probs(logits[first : first + count], targets))
             req = seq.request
+            top_n = req.sampling_params.top_n_logprobs
+            seq.prompt_lp = seq_lp = seq.prompt_lp[:start]
+            seq.prompt_top_n = seq_top = seq.prompt_top_n[:start]
+            targets = torch.tensor(seq.tokens[start + 1 : start + 1 + count])
+            lp, top = sampler.prompt_log_probs(logits[first : first + count], targets, top_n)
+            seq_lp.extend(lp)
+            seq_top.extend(top)
             if len(seq_lp) == req.prompt_length - 1:
                 req.prompt_log_probs = seq_lp
+                if top_n:
+                    req.prompt_top_n_logprobs = seq_top
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, out: StepOutput) -> None:
         params = [s.request.sampling_params for s in seqs]

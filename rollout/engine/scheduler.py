@@ -102,8 +102,16 @@ class Scheduler:
             if victim is seq:
                 return
         if need > 0:
-            seq.block_table.extend(self.blocks.allocate(need))
+            seq.block_table.extend(self._allocate(seq, seq.block_table, need, seq.num_computed + n))
         self._take(seq, n, batch)
+
+    def _allocate(self, seq: Sequence, table: list[int], need: int, end: int) -> list[int]:
+        """`need` blocks continuing `table` where possible, with room for the rest of the
+        sequence (the rest of its prompt and every token it may still generate) behind them."""
+        bs = self.blocks.block_size
+        total = len(seq.tokens) + seq.request.remaining_tokens_to_generate
+        room = max(0, _cdiv(total, bs) - _cdiv(end, bs))
+        return self.blocks.allocate(need, after=table[-1] if table else None, room=room)
 
     def _evict(self, seq: Sequence, batch: ScheduledBatch) -> None:
         for i, (s, n) in enumerate(batch):
@@ -142,7 +150,7 @@ class Scheduler:
                 self.blocks.free(hits)
                 break  # FIFO: nobody overtakes the head for resources
             del self.waiting[i]
-            seq.block_table = hits + self.blocks.allocate(need)
+            seq.block_table = hits + self._allocate(seq, hits, need, start + n)
             seq.num_computed = start
             seq.num_registered = len(hits)
             self.running.append(seq)

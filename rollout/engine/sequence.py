@@ -22,6 +22,7 @@ class Sequence:
         block_size: int,
         stop_words: list[list[int]],
         eos_ids: frozenset[int],
+        block_hashes: list[int] | None = None,
     ) -> None:
         self.record = record
         self.seed = seed
@@ -34,13 +35,16 @@ class Sequence:
         self.num_computed = 0
         self.block_table: list[int] = []
         self._digests: list[bytes] = []
-        self.hashes: list[int] = []
+        # given hashes (the coordinator's) stand for the first blocks; the chain goes on from
+        # digests computed only when a later block needs them
+        self.hashes: list[int] = list(block_hashes or [])
         self.num_registered = 0  # blocks [0, n) already offered to the prefix cache
         self.cacheable = True  # False once it holds KV from older weights (kv_policy="keep")
         self.kv_version: int | None = None  # weights that computed its KV; None = no KV
         self.streamed = 0  # generated tokens (all segments) already sent as partials
         self.log_probs: list[float] = []  # of every generated token, all segments (streaming)
         self.prompt_lp: list[float] = []  # prompt log-probs accumulated over prefill chunks
+        self.prompt_top_n: list[dict[int, float]] = []  # and their top-n, when asked for
 
     @property
     def request(self) -> DynamicInferenceRequest:
@@ -65,15 +69,15 @@ class Sequence:
 
     def block_hashes(self, num_blocks: int) -> list[int]:
         """Chained hashes of the first `num_blocks` complete blocks (extended incrementally)."""
-        have = len(self._digests)
-        if num_blocks > have:
-            bs = self.block_size
+        if num_blocks > len(self.hashes):
+            have, bs = len(self._digests), self.block_size
             parent = self._digests[-1] if self._digests else hashing.ROOT_DIGEST
             new = hashing.chained_block_digests(
                 self.tokens[have * bs : num_blocks * bs], bs, parent
             )
             self._digests.extend(new)
-            self.hashes.extend(hashing.digest_to_hash(d) for d in new)
+            known = len(self.hashes) - have  # leading new blocks whose hash was given
+            self.hashes.extend(hashing.digest_to_hash(d) for d in new[max(known, 0) :])
         return self.hashes[:num_blocks]
 
     def drop_kv(self) -> list[int]:

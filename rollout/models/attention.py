@@ -2,17 +2,25 @@
 
 The engine flattens one step's tokens (prefill chunks and 1-token decodes mixed) into `N`
 rows. Each layer writes the new K/V at `slot_mapping` and then attends through the block
-tables. The gather indices and masks depend only on the metadata, so `AttentionPlan` builds
-them once per forward and every layer reuses them:
+tables. Everything that depends only on the metadata (groups, gather indices, masks) is
+planned once per forward by `AttentionPlan` and reused by every layer. Decode rows take the
+first path that applies:
 
-- decode rows (query length 1) are bucketed by context length and each bucket is one padded
-  `scaled_dot_product_attention` call with a key-padding mask; the GQA group is folded into the
-  query axis so K/V are never repeated. K/V are gathered by whole blocks with a 2-D
-  `index_select` (the memcpy path); gathering dominates decode time on CPU, so bucketing
-  (less padding) halved a 32-sequence decode step with contexts spread over 20..640.
-- prefill chunks (query length > 1) run one SDPA call each, causal kernel when the chunk has no
-  earlier context, else a [q, ctx] mask (a per-sequence loop beats padding every query to the
-  longest chunk when decodes and prefills share a batch).
+- shared prefix (rollout.models.cascade): decode rows whose block tables start with the same
+  physical blocks (GRPO samples of one prompt, through the prefix cache) read that prefix once
+  per group, not once per row: in place on CPU when the group's blocks are laid out as runs,
+  else all groups in a few batched gathered calls;
+- zero-copy (CPU): a row whose blocks are contiguous in the pool (the block manager allocates
+  runs with room to grow, so that is the usual case) attends to a slice of the pool directly,
+  one SDPA call per row. Gathering K/V (a full copy per layer) was the largest cost of a CPU
+  decode step; on CUDA the per-row calls would be launch-bound, so it keeps the batched path;
+- batched: the remaining rows are bucketed by context length (little padding) and each bucket
+  is one padded SDPA call with a key-padding mask over K/V gathered by whole blocks (a 2-D
+  `index_select`, the memcpy path); the GQA group is folded into the query axis.
+
+Prefill chunks (query length > 1) run one SDPA call each: without earlier context the chunk's
+own K/V are used as they are (causal kernel, no cache read); with context, the pool slice or
+a gather and a [q, ctx] mask.
 """
 
 from __future__ import annotations
@@ -22,6 +30,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from rollout.models.cascade import (
+    SharedPrefixBatch,
+    SharedPrefixView,
+    plan_shared_prefix,
+    shared_prefix_attention,
+    shared_prefix_view_attention,
+)
 
 
 @dataclass
@@ -41,6 +57,7 @@ class PagedAttentionMetadata:
     slot_mapping: torch.Tensor
     query_lens_list: list[int] | None = None
     context_lens_list: list[int] | None = None
+    block_tables_list: list[list[int]] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -91,6 +108,7 @@ class PagedAttentionMetadata:
             slot_mapping=t(slots),
             query_lens_list=list(query_lens),
             context_lens_list=list(context_lens),
+            block_tables_list=[list(t) for t in block_tables],
         )
 
 
@@ -124,10 +142,28 @@ def _bucket_by_length(items: list[int], blocks: list[int]) -> list[list[int]]:
     return buckets
 
 
-class AttentionPlan:
-    """Gather indices and masks derived from the metadata, shared by every layer."""
+VIEW_MIN_TOKENS = 32  # shorter contiguous rows join the batched path (gathering them is cheap)
 
-    def __init__(self, meta: PagedAttentionMetadata, block_size: int, num_tokens: int) -> None:
+
+def _run_start(table: Sequence[int], n: int) -> int | None:
+    """First block of table[:n] if those n blocks are contiguous in the pool, else None."""
+    first = table[0]
+    if table[n - 1] != first + n - 1:
+        return None
+    return first if list(table[:n]) == list(range(first, first + n)) else None
+
+
+class AttentionPlan:
+    """Groups, gather indices and masks derived from the metadata, shared by every layer."""
+
+    def __init__(
+        self,
+        meta: PagedAttentionMetadata,
+        block_size: int,
+        num_tokens: int,
+        num_blocks: int | None = None,
+    ) -> None:
+        """num_blocks: the pool size, which lets CPU decode read shared prefixes in place."""
         q_lens = meta.query_lens_list
         if q_lens is None:
             q_lens = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).tolist()
@@ -148,19 +184,43 @@ class AttentionPlan:
         device = meta.block_tables.device
         self.slot_mapping = meta.slot_mapping.to(torch.long)
         tables = meta.block_tables.to(torch.long)
+        tl = meta.block_tables_list
+        if tl is None:
+            tl = tables.tolist()
         starts = [0]
         for q in q_lens:
             starts.append(starts[-1] + q)
+        nblocks = [-(-c // block_size) for c in ctx]
+        zero_copy = device.type == "cpu"
 
         decode = [i for i, q in enumerate(q_lens) if q == 1]
-        self.all_decode = len(decode) == len(q_lens)
-        # Decode rows are bucketed by context length so padding stays small (gathering padded
-        # K/V dominates decode time on CPU); each bucket is one batched SDPA call.
+        self.shared_batches: list[SharedPrefixBatch] = []
+        self.shared_views: list[SharedPrefixView] = []
+        if len(decode) > 1:
+            shared = plan_shared_prefix(
+                [starts[i] for i in decode], [tl[i][: nblocks[i]] for i in decode],
+                [ctx[i] for i in decode], block_size, device,
+                pool_blocks=num_blocks if zero_copy else None,
+            )  # fmt: skip
+            self.shared_batches, self.shared_views = shared.batches, shared.views
+            decode = [decode[j] for j in shared.rest]
+        # (row, first slot, length): decode rows read in place from the pool
+        self.decode_views: list[tuple[int, int, int]] = []
+        batched = []
+        for i in decode:
+            first = (
+                _run_start(tl[i], nblocks[i]) if zero_copy and ctx[i] >= VIEW_MIN_TOKENS else None
+            )
+            if first is None:
+                batched.append(i)
+            else:
+                self.decode_views.append((starts[i], first * block_size, ctx[i]))
+
         self.decode_groups: list[DecodeGroup] = []
-        buckets = _bucket_by_length(decode, [-(-ctx[i] // block_size) for i in decode])
+        buckets = _bucket_by_length(batched, [nblocks[i] for i in batched])
         for bucket in buckets:
-            num_blocks = max(-(-ctx[i] // block_size) for i in bucket)
-            identity = len(buckets) == 1 and self.all_decode  # every row, in order
+            num_blocks = max(nblocks[i] for i in bucket)
+            identity = len(bucket) == num_tokens  # every row, in order
             sel = torch.tensor(bucket, dtype=torch.long, device=device)
             group_tables = tables if identity else tables.index_select(0, sel)
             rows = None if identity else torch.tensor([starts[i] for i in bucket], device=device)
@@ -177,18 +237,22 @@ class AttentionPlan:
                 )
             )
 
-        # (start, end, block ids, mask [q, ctx] or None for plain causal)
-        self.prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
+        # (start, end, ctx, first slot of a contiguous context or None, block ids, mask)
+        self.prefills: list[
+            tuple[int, int, int, int | None, torch.Tensor, torch.Tensor | None]
+        ] = []
         for i, q in enumerate(q_lens):
             if q == 1:
                 continue
-            pos = torch.arange(ctx[i], device=device)
-            blocks = tables[i, : -(-ctx[i] // block_size)]
-            mask = None  # no earlier context: plain causal
+            blocks = tables[i, : nblocks[i]]
+            mask = first = None  # no earlier context: plain causal over the chunk's own K/V
             if ctx[i] != q:
+                pos = torch.arange(ctx[i], device=device)
                 q_pos = torch.arange(ctx[i] - q, ctx[i], device=device)
                 mask = pos[None, :] <= q_pos[:, None]  # [q, ctx]
-            self.prefills.append((starts[i], starts[i + 1], blocks, mask))
+                run = _run_start(tl[i], nblocks[i]) if zero_copy else None
+                first = None if run is None else run * block_size
+            self.prefills.append((starts[i], starts[i + 1], ctx[i], first, blocks, mask))
 
 
 def paged_attention(
@@ -209,39 +273,64 @@ def paged_attention(
     group = heads // kvh
     k_flat = k_cache.view(-1, kvh, dim)
     v_flat = v_cache.view(-1, kvh, dim)
-    k_flat.index_copy_(0, plan.slot_mapping, k.to(k_flat.dtype))
-    v_flat.index_copy_(0, plan.slot_mapping, v.to(v_flat.dtype))
+    k = k.to(k_flat.dtype)
+    v = v.to(v_flat.dtype)
+    k_flat.index_copy_(0, plan.slot_mapping, k)
+    v_flat.index_copy_(0, plan.slot_mapping, v)
+
+    groups = plan.decode_groups
+    if len(groups) == 1 and groups[0].rows is None:  # every row is a plain decode
+        return _batched_decode(q, k_cache, v_cache, groups[0], scale)
     out = torch.empty_like(q)
+    for g in groups:
+        out.index_copy_(0, g.rows, _batched_decode(q, k_cache, v_cache, g, scale))
 
-    for g in plan.decode_groups:
-        qd = q if g.rows is None else q.index_select(0, g.rows)
-        qd = qd.view(g.batch, kvh, group, dim)  # fold the GQA group into the query axis
-        kd = _gather(k_cache, g.blocks, g.batch, g.length).transpose(1, 2).to(q.dtype)
-        vd = _gather(v_cache, g.blocks, g.batch, g.length).transpose(1, 2).to(q.dtype)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
-        od = od.reshape(g.batch, heads, dim)
-        if g.rows is None:
-            return od
-        out.index_copy_(0, g.rows, od)
+    for row, first, length in plan.decode_views:
+        qr = q[row].view(1, kvh, group, dim)
+        kr = k_flat[first : first + length].transpose(0, 1).unsqueeze(0).to(q.dtype)
+        vr = v_flat[first : first + length].transpose(0, 1).unsqueeze(0).to(q.dtype)
+        out[row] = F.scaled_dot_product_attention(qr, kr, vr, scale=scale).view(heads, dim)
 
-    for start, end, blocks, mask in plan.prefills:
-        # Prefill: repeat K/V over the GQA group (measured faster than folding the group into
-        # the query axis) so a chunk without earlier context can use the causal kernel.
-        ql = end - start
-        ctx = mask.shape[1] if mask is not None else ql
-        qs = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-        ks = (
-            _gather(k_cache, blocks, 1, -1)[:, :ctx].transpose(1, 2).to(q.dtype)
-        )  # [1, KVH, ctx, D]
-        vs = _gather(v_cache, blocks, 1, -1)[:, :ctx].transpose(1, 2).to(q.dtype)
+    for sb in plan.shared_batches:
+        out.index_copy_(0, sb.out_rows, shared_prefix_attention(q, k_cache, v_cache, sb, scale))
+    for sv in plan.shared_views:
+        out.index_copy_(0, sv.rows, shared_prefix_view_attention(q, k_cache, v_cache, sv, scale))
+
+    for start, end, ctx, first, blocks, mask in plan.prefills:
+        # Repeat K/V over the GQA group (measured faster than folding the group into the query
+        # axis) so a chunk without earlier context can use the causal kernel.
+        if mask is None:  # the chunk is the whole context: its own K/V, no cache read
+            ks, vs = k[start:end], v[start:end]
+        elif first is not None:
+            ks, vs = k_flat[first : first + ctx], v_flat[first : first + ctx]
+        else:
+            ks = _gather(k_cache, blocks, 1, -1)[0, :ctx]
+            vs = _gather(v_cache, blocks, 1, -1)[0, :ctx]
+        ks = ks.transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, KVH, ctx, D]
+        vs = vs.transpose(0, 1).unsqueeze(0).to(q.dtype)
         if group > 1:
             ks = ks.repeat_interleave(group, dim=1)
             vs = vs.repeat_interleave(group, dim=1)
+        qs = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
         os_ = F.scaled_dot_product_attention(
             qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale
         )
         out[start:end] = os_[0].transpose(0, 1)
     return out
+
+
+def _batched_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup, scale: float
+) -> torch.Tensor:
+    """One padded SDPA call over a bucket of decode rows -> [batch, H, D]."""
+    _, heads, dim = q.shape
+    kvh = k_cache.shape[2]
+    qd = q if g.rows is None else q.index_select(0, g.rows)
+    qd = qd.view(g.batch, kvh, heads // kvh, dim)  # fold the GQA group into the query axis
+    kd = _gather(k_cache, g.blocks, g.batch, g.length).transpose(1, 2).to(q.dtype)
+    vd = _gather(v_cache, g.blocks, g.batch, g.length).transpose(1, 2).to(q.dtype)
+    od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
+    return od.reshape(g.batch, heads, dim)
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, batch: int, length: int) -> torch.Tensor:
