@@ -33,6 +33,7 @@ from rollout.protocol import (
     pack_hashes,
     pack_tokens,
     unpack_floats,
+    unpack_hashes,
     unpack_obj,
     unpack_tokens_array,
 )
@@ -202,10 +203,19 @@ class EngineWorker:
                     return
                 self.engine.add_request(rid, record=record)
             else:
-                self.engine.add_request(rid, tokens, sp)
+                forwarded = self._forwarded_hashes(tokens, hashes)
+                self.engine.add_request(rid, tokens, sp, precomputed_block_hashes=forwarded)
             self.active.add(rid)
         except (ValueError, ProtocolError) as e:
             self._send_replies([_failed_record(rid, e)])
+
+    def _forwarded_hashes(self, tokens: Any, packed: bytes | None) -> list[int] | None:
+        """The coordinator's block hashes of a token prompt (hashed once, there), when they were
+        made with this engine's block size; the engine verifies tokens on every hit anyway."""
+        if not packed or isinstance(tokens, str):
+            return None
+        hashes = unpack_hashes(packed)
+        return hashes if len(hashes) == len(tokens) // self.block_size else None
 
     def _resume_record(self, rid, tokens, sp, resume_tokens, resume_log_probs):
         """A record that already holds what the lost engine streamed; the engine continues it."""
