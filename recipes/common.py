@@ -46,8 +46,13 @@ STALENESS_KEYS = (
     "staleness/kv_mean",
     "mismatch/logp_abs_diff_mean",
 )
-_MEAN_KEYS_MAX = ("train/ratio_max", "train/is_weight_max", "mismatch/logp_abs_diff_max",
-                  "mismatch/is_weight_raw_max")  # fmt: skip
+# Reduced with max over micro-batches; every other loss metric is averaged.
+_MAX_KEYS = (
+    "train/ratio_max",
+    "train/is_weight_max",
+    "mismatch/logp_abs_diff_max",
+    "mismatch/is_weight_raw_max",
+)
 
 
 def ensure_override(argv: list[str], key: str, value: str) -> list[str]:
@@ -160,7 +165,7 @@ def grpo_update(
             )  # fmt: skip
             (loss * (norm_key[c].sum().item() / total)).backward()
             for key, v in m.items():
-                if key in _MEAN_KEYS_MAX:
+                if key in _MAX_KEYS:
                     maxes[key] = max(maxes.get(key, -math.inf), v)
                 else:
                     sums[key] = sums.get(key, 0.0) + v
