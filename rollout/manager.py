@@ -277,6 +277,7 @@ class RolloutManager:
                 self._cv.notify_all()  # room for the async thread to submit more
             if take == [] and self._exhausted_now():
                 break
+        self._record_staleness(batch)  # the whole batch, not just its last group
         if reward_fn is not None:
             for s in batch:
                 s.reward = reward_fn(s)
@@ -528,7 +529,6 @@ class RolloutManager:
         if not stale:
             self._counters["groups_out"] += 1
             self._counters["samples_out"] += len(samples)
-            self._record_staleness(samples)
             return samples
         if self.config.stale_policy == "drop":
             self._counters["groups_dropped_stale"] += 1

@@ -259,6 +259,21 @@ def test_collect_returns_partial_batch_then_empty_when_source_ends():
     assert sorted({s.group_id for s in a + b}) == [0, 1, 2]
 
 
+def test_stats_describe_the_whole_batch_not_its_last_group():
+    """Partial rollouts carried over an update come first, fresh groups last: the staleness
+    stats must cover the whole batch handed out (a trainer logs them as the batch's)."""
+    with _manager() as m:
+        first = m.collect([[1, 2], [3, 4], [5, 6]], 1, n=2, sampling_params=_sp(40))
+        m.update_weights(_weights(1))
+        batch = m.collect([[7, 8], [9, 10]], 3, n=2, sampling_params=_sp(40))
+        stats = m.stats()
+    assert len(first) == 2 and len(batch) == 6
+    tokens = [x for s in batch for x in s.policy_staleness]
+    assert max(tokens) >= 1 and batch[-1].max_policy_staleness == 0  # mixed on purpose
+    assert stats["staleness/policy_max"] == max(tokens)
+    assert stats["staleness/policy_token_mean"] == pytest.approx(sum(tokens) / len(tokens))
+
+
 # ------------------------------------------------------------------------------ async mode
 
 
