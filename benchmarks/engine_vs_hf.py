@@ -171,7 +171,8 @@ def main() -> None:
                 side["all_seconds"] = [r["seconds"] for r in runs]
                 side["all_cpu_seconds"] = [r["cpu_seconds"] for r in runs]
                 side["best_cpu_seconds"] = min(side["all_cpu_seconds"])
-            row = {"model": size, "params": params, "workload": name, "ours": ours, "hf": theirs,
+            row = {"model": size, "params": params, "workload": name, "repeats": args.repeats,
+                   "ours": ours, "hf": theirs,
                    "speedup": ours["tokens_per_s"] / theirs["tokens_per_s"],
                    "speedup_cpu": theirs["best_cpu_seconds"] / ours["best_cpu_seconds"]}  # fmt: skip
             results["runs"].append(row)
@@ -184,7 +185,7 @@ def main() -> None:
         previous = json.loads(out.with_suffix(".json").read_text())
         keep = [r for r in previous["runs"] if (r["model"], r["workload"]) not in
                 {(n["model"], n["workload"]) for n in results["runs"]}]  # fmt: skip
-        results["runs"] = keep + results["runs"]
+        results["runs"] = sorted(keep + results["runs"], key=lambda r: (r["params"], r["workload"]))
     out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
     plot(results, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")

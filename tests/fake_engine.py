@@ -71,6 +71,7 @@ class FakeEngine:
         prompt: Any = None,
         sampling_params: SamplingParams | None = None,
         record: DynamicInferenceRequestRecord | None = None,
+        precomputed_block_hashes: list[int] | None = None,  # same signature as the real engine
     ) -> DynamicInferenceRequestRecord:
         if record is None:
             if isinstance(prompt, str):

@@ -25,6 +25,7 @@ import zmq
 from rollout.coordinator.routing import POLICIES, PREFIX_POLICIES, Router
 from rollout.coordinator.state import CoordinatorState, InvalidTransition, next_state
 from rollout.protocol import (
+    CONTROL_HEADERS,
     MAX_FRAME_BYTES,
     Headers,
     ProtocolError,
@@ -180,7 +181,7 @@ class DataParallelInferenceCoordinator:
             Headers.HEARTBEAT: self._on_client_heartbeat,
             Headers.DISCONNECT: self._on_client_disconnect,
             Headers.SHUTDOWN: self._on_shutdown,
-            **{h: partial(self._control, header=h) for h in _CONTROL_SIGNALS},
+            **{h: partial(self._control, header=h) for h in CONTROL_HEADERS},
         }
         self._engine_handlers = {
             Headers.REPLY: self._on_reply,
@@ -788,16 +789,6 @@ class DataParallelInferenceCoordinator:
                     f"no live engine for {cfg.engine_wait_s:.1f}s: request failed "
                     f"(all engines dead or none registered)",
                 )
-
-
-_CONTROL_SIGNALS = (
-    Headers.PAUSE,
-    Headers.UNPAUSE,
-    Headers.SUSPEND,
-    Headers.RESUME,
-    Headers.STOP,
-    Headers.SET_WEIGHT_VERSION,
-)
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:

@@ -25,6 +25,7 @@ import torch
 import zmq
 
 from rollout.protocol import (
+    CONTROL_HEADERS,
     Headers,
     ProtocolError,
     decode,
@@ -164,7 +165,7 @@ class EngineWorker:
             self._add(*fields)
         elif header is Headers.ABORT_REQUEST:
             self.engine.abort(fields[0])
-        elif header in _CONTROL:
+        elif header in CONTROL_HEADERS:
             self._control(header, fields)
         elif header is Headers.SHUTDOWN:
             self.running = False
@@ -378,18 +379,6 @@ class EngineWorker:
             (address, rank, engine_factory, factory_kwargs, worker_kwargs),
             f"rollout-engine-{rank}",
         )
-
-
-_CONTROL = frozenset(
-    {
-        Headers.PAUSE,
-        Headers.UNPAUSE,
-        Headers.SUSPEND,
-        Headers.RESUME,
-        Headers.STOP,
-        Headers.SET_WEIGHT_VERSION,
-    }
-)
 
 
 class _WorkerSync:
