@@ -123,7 +123,7 @@ def test_hydra_type_errors_name_the_key(overrides, fragments):
 @pytest.mark.parametrize(
     ("overrides", "fragments"),
     [
-        (["rollout=async"], ["rollout.mode=async", "trainer.tis_cap"]),
+        (["rollout=async", "trainer.tis_cap=null"], ["rollout.mode=async", "trainer.tis_cap"]),
         (["engine.num_blocks=1", "rollout.max_new_tokens=64", "recipe.task_kwargs={min_len:2,max_len:4}"],
          ["KV pool too small", "engine.num_blocks=1", "< 70 (prompt 6 + rollout.max_new_tokens 64)"]),
         (["engine.kv_cache_memory_bytes=4096"], ["KV pool too small", "engine.kv_cache_memory_bytes=4096", "8192 bytes per block"]),
@@ -154,7 +154,7 @@ def test_cross_field_checks(overrides, fragments):
 
 def test_all_problems_reported_at_once():
     with pytest.raises(ConfigError) as info:
-        load_config(["rollout.dp=0", "trainer.lr=-1", "rollout=async"])
+        load_config(["rollout.dp=0", "trainer.lr=-1", "rollout=async", "trainer.tis_cap=null"])
     msg = str(info.value)
     assert "rollout.dp" in msg and "trainer.lr" in msg and "trainer.tis_cap" in msg
 
@@ -238,7 +238,9 @@ def test_hydra_app_multirun_fails_fast_on_a_bad_job(tmp_path):
         main()
     """)
     )
-    cmd = [sys.executable, str(app), "-m", "rollout=colocated,async", f"hydra.sweep.dir={tmp_path}/out",
+    # the recipe's default tis_cap is 2.0; switch it off so async is the invalid combination
+    cmd = [sys.executable, str(app), "-m", "rollout=colocated,async", "trainer.tis_cap=null",
+           f"hydra.sweep.dir={tmp_path}/out",
            "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert "MODE colocated None" in out.stdout, out.stderr
