@@ -8,6 +8,7 @@ engine continues exactly as an uninterrupted one would.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -237,3 +238,12 @@ def _run_quietly(worker: Any) -> None:
         worker.run()
     except (PermissionError, ConnectionError) as e:
         worker.error = e
+
+
+async def wait_until(pred, timeout: float = 10.0, what: str = "condition") -> None:
+    """Await `pred()` becoming true, checked every 10 ms, failing after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)

@@ -6,12 +6,11 @@ import asyncio
 import os
 import random
 import signal
-import time
 
 import msgpack
 import pytest
 import zmq
-from fake_engine import Harness, expected_tokens, make_fake_engine
+from fake_engine import Harness, expected_tokens, make_fake_engine, wait_until
 
 from rollout.client import InferenceClient, RequestFailed
 from rollout.engine.worker import EngineWorker
@@ -19,14 +18,6 @@ from rollout.protocol import ProtocolError, decode
 from rollout.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(90)
-
-
-async def _until(pred, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 async def test_sigkill_engine_mid_generation_then_all_dead():
@@ -48,7 +39,7 @@ async def test_sigkill_engine_mid_generation_then_all_dead():
         sp = SamplingParams(num_tokens_to_generate=60, return_log_probs=True)
         prompts = [[i + 1, 2 * i + 1, 7] for i in range(40)]
         futs = [client.add_request(p, sp) for p in prompts]
-        await _until(lambda: h.coord.counters["partials"] >= 80, what="streamed checkpoints")
+        await wait_until(lambda: h.coord.counters["partials"] >= 80, what="streamed checkpoints")
         victim = procs[0]
         os.kill(victim.pid, signal.SIGKILL)
         records = await asyncio.wait_for(asyncio.gather(*futs), 30)
@@ -67,7 +58,7 @@ async def test_sigkill_engine_mid_generation_then_all_dead():
             client.add_request(p, SamplingParams(num_tokens_to_generate=10_000))
             for p in prompts[:4]
         ]
-        await _until(lambda: h.coord.counters["partials"] >= 0 and len(h.coord.requests) == 4)
+        await wait_until(lambda: h.coord.counters["partials"] >= 0 and len(h.coord.requests) == 4)
         os.kill(procs[1].pid, signal.SIGKILL)
         for f in futs:
             with pytest.raises(RequestFailed, match="no live engine"):
@@ -91,7 +82,7 @@ async def test_vanished_client_requests_aborted_and_maps_cleared(how):
         client = await InferenceClient(h.address).start()
         for i in range(10):
             client.add_request([i + 1], SamplingParams(num_tokens_to_generate=1_000_000))
-        await _until(lambda: sum(len(w.active) for w in workers) == 10, what="dispatch")
+        await wait_until(lambda: sum(len(w.active) for w in workers) == 10, what="dispatch")
         if how == "disconnect":
             client.stop()
         else:  # the process vanished: no goodbye, no heartbeats
@@ -100,13 +91,13 @@ async def test_vanished_client_requests_aborted_and_maps_cleared(how):
             client._sock.close(linger=0)
             client._sock = None
         coord = h.coord
-        await _until(lambda: coord.counters["aborted_for_client"] == 10, what="client removal")
+        await wait_until(lambda: coord.counters["aborted_for_client"] == 10, what="client removal")
         # From the moment the requests are forgotten, no engine may look loaded by them: not even
         # by a heartbeat it sent before it saw the aborts (that one is still in flight or queued).
         loads = {k: coord.router.load(k) for k in list(coord.engines)}
         assert len(loads) == 2 and all(v == 0 for v in loads.values()), loads
-        await _until(lambda: all(not w.engine._active for w in workers), what="engine aborts")
-        await _until(
+        await wait_until(lambda: all(not w.engine._active for w in workers), what="engine aborts")
+        await wait_until(
             lambda: all(not e.aborting for e in list(coord.engines.values())),
             what="the engines' final replies for the aborted requests",
         )
@@ -115,7 +106,7 @@ async def test_vanished_client_requests_aborted_and_maps_cleared(how):
         assert coord.counters["aborted_for_client"] == 10
         assert coord.counters["late_replies"] == 10  # each abort was confirmed by the engine
         # heartbeats are published again once the aborts are confirmed, and they report idle
-        await _until(
+        await wait_until(
             lambda: all(e.load.get("running") == 0 for e in list(coord.engines.values())),
             what="post-abort heartbeats",
         )
@@ -172,7 +163,7 @@ async def test_rogue_dealer_counted_while_legit_traffic_served():
         records = await asyncio.wait_for(asyncio.gather(*futs), 30)
         for i, rec in zip(range(0, 10_000, 500), records, strict=True):
             assert rec.merge().generated_tokens == expected_tokens([i % 900 + 1, 3], 4)
-        await _until(lambda: h.coord.counters["malformed"] >= 10_000, what="all rogue frames")
+        await wait_until(lambda: h.coord.counters["malformed"] >= 10_000, what="all rogue frames")
         stats = await client.stats()
         assert stats["counters"]["malformed"] == 10_000
         assert stats["counters"].get("internal_errors", 0) == 0

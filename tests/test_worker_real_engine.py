@@ -6,10 +6,9 @@ import asyncio
 import os
 import random
 import signal
-import time
 
 import pytest
-from fake_engine import Harness
+from fake_engine import Harness, wait_until
 
 from rollout.client import InferenceClient
 from rollout.engine.worker import EngineWorker, build_engine
@@ -48,14 +47,6 @@ def _direct(items) -> list[list[int]]:
     return out
 
 
-async def _until(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
 async def test_200_mixed_requests_match_direct_mode_and_survive_sigkill():
     items = _workload()
     expected = _direct(items)
@@ -75,7 +66,9 @@ async def test_200_mixed_requests_match_direct_mode_and_survive_sigkill():
         # SIGKILL engine 0 mid-generation: everything still completes with the same tokens
         base = h.coord.counters["partials"]
         futs = [client.add_request(p, sp) for p, sp in kill_items]
-        await _until(lambda: h.coord.counters["partials"] >= base + 8, 60, "streamed checkpoints")
+        await wait_until(
+            lambda: h.coord.counters["partials"] >= base + 8, 60, "streamed checkpoints"
+        )
         busiest = max(h.coord.engines.values(), key=lambda e: len(e.requests))
         os.kill(procs[busiest.rank].pid, signal.SIGKILL)
         records = await asyncio.wait_for(asyncio.gather(*futs), 90)
