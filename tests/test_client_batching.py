@@ -109,3 +109,21 @@ def test_pack_tokens_fast_path_matches_numpy_and_rejects_the_same_input():
                        ([[1, 2], [3, 4]], "1-D")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
             pack_tokens(bad)
+
+
+async def test_start_freezes_the_startup_heap_unless_told_not_to(harness):
+    """Objects alive at start() leave the cyclic GC's reach (rollout.gc_tuning); opt-out works."""
+    import gc
+
+    gc.unfreeze()
+    try:
+        c = await InferenceClient(harness.address, freeze_gc=False).start()
+        c.stop()
+        assert gc.get_freeze_count() == 0
+        marker = [object()]  # alive before start(): must end up frozen
+        c = await InferenceClient(harness.address).start()
+        c.stop()
+        assert gc.get_freeze_count() > 0
+        assert all(o is not marker for o in gc.get_objects())  # frozen: no collection sees it
+    finally:
+        gc.unfreeze()

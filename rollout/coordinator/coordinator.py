@@ -24,6 +24,7 @@ import zmq
 
 from rollout.coordinator.routing import POLICIES, PREFIX_POLICIES, Router
 from rollout.coordinator.state import CoordinatorState, InvalidTransition, next_state
+from rollout.gc_tuning import freeze_startup_heap
 from rollout.protocol import (
     CONTROL_HEADERS,
     MAX_FRAME_BYTES,
@@ -205,6 +206,7 @@ class DataParallelInferenceCoordinator:
             conn.send({"error": f"{type(e).__name__}: {e}"})
             return
         conn.send({"address": coord.address})
+        freeze_startup_heap()  # start-up objects live as long as the process
         try:
             coord.start()
         finally:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import zmq
 
+from rollout.gc_tuning import freeze_startup_heap
 from rollout.protocol import (
     CONTROL_HEADERS,
     Headers,
@@ -356,6 +357,7 @@ class EngineWorker:
         torch.set_num_threads(int(os.environ.get("ROLLOUT_ENGINE_THREADS", "1")))
         engine = engine_factory(**(factory_kwargs or {}))
         worker = cls(engine, address, rank, **(worker_kwargs or {}))
+        freeze_startup_heap()  # the model and torch's heap live as long as the process
         try:
             worker.run()
         except SystemExit:
