@@ -115,6 +115,8 @@ def rollout_engine(address: str, rank: int, prompt_len: int, gen: int) -> None:
             h, fields = decode(f)
             if h is Headers.DISPATCH_REQUEST:
                 rows.append([fields[0], blob])
+            elif h is Headers.DISPATCH_BATCH:
+                rows.extend([row[0], blob] for row in fields[0])
             elif h is Headers.SHUTDOWN:
                 return
         if rows:

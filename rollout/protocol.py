@@ -21,6 +21,7 @@ Message catalogue (C = client, Co = coordinator, E = engine); `SCHEMA` is author
                                 resume_tokens(packed int32), resume_log_probs(packed float64), stream]
     SUBMIT_BATCH       C->Co   [[[client_request_id, prompt, sampling_params, num_tokens_to_generate,
                                 stream], ...]]   (SUBMIT_REQUESTs sent in one loop turn, one frame)
+    DISPATCH_BATCH     Co->E   [[[DISPATCH_REQUEST fields], ...]]  (one SUBMIT_BATCH's rows per engine)
     REPLY              E->Co, Co->C   [[[id, record_bytes], ...]]           (batched per step)
     REPLY_PARTIAL      E->Co, Co->C   [[[id, new_tokens, new_log_probs, extra], ...]]
     ABORT_REQUEST      C->Co, Co->E   [id]
@@ -66,6 +67,7 @@ class Headers(IntEnum):
     REPLY_PARTIAL = 23
     ABORT_REQUEST = 24
     SUBMIT_BATCH = 25
+    DISPATCH_BATCH = 26
     # control (broadcast to engines and acknowledged)
     PAUSE = 40
     UNPAUSE = 41
@@ -121,6 +123,15 @@ OPT_BYTES = (bytes, type(None))
 PROMPT = (str, bytes)
 
 _CONTROL = (("control_id", INT),)
+_DISPATCH_FIELDS = (
+    ("request_id", INT),
+    ("prompt", PROMPT),
+    ("sampling_params", BYTES),
+    ("block_hashes", BYTES),
+    ("resume_tokens", BYTES),
+    ("resume_log_probs", BYTES),
+    ("stream", BOOL),
+)
 
 SCHEMA: dict[Headers, tuple[tuple[str, Any], ...]] = {
     Headers.CONNECT: (("auth_token", OPT_STR),),
@@ -140,15 +151,8 @@ SCHEMA: dict[Headers, tuple[tuple[str, Any], ...]] = {
         ("num_tokens_to_generate", INT),
         ("stream", BOOL),
     ),
-    Headers.DISPATCH_REQUEST: (
-        ("request_id", INT),
-        ("prompt", PROMPT),
-        ("sampling_params", BYTES),
-        ("block_hashes", BYTES),
-        ("resume_tokens", BYTES),
-        ("resume_log_probs", BYTES),
-        ("stream", BOOL),
-    ),
+    Headers.DISPATCH_REQUEST: _DISPATCH_FIELDS,
+    Headers.DISPATCH_BATCH: (("requests", Rows(*_DISPATCH_FIELDS)),),
     Headers.SUBMIT_BATCH: (
         (
             "requests",

@@ -127,3 +127,54 @@ async def test_start_freezes_the_startup_heap_unless_told_not_to(harness):
         assert all(o is not marker for o in gc.get_objects())  # frozen: no collection sees it
     finally:
         gc.unfreeze()
+
+
+async def test_a_submitted_batch_reaches_each_engine_as_one_dispatch_frame():
+    """The coordinator forwards a SUBMIT_BATCH's rows to an engine in one DISPATCH_BATCH frame
+    (counted at a bare engine socket), and the replies still resolve every future."""
+    import torch
+    import zmq
+
+    from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord
+
+    h = Harness()
+    ctx = zmq.Context()
+    eng = ctx.socket(zmq.DEALER)
+    eng.setsockopt(zmq.LINGER, 0)
+    eng.connect(h.address)
+    eng.send(encode(Headers.ENGINE_REGISTER, 0, 1 << 20, 0, None, 16))
+    assert eng.poll(5000) and decode(eng.recv())[0] is Headers.ENGINE_REGISTER_ACK
+    client = await InferenceClient(h.address).start()
+    try:
+        sp = SamplingParams(num_tokens_to_generate=1)
+        futs = [client.add_request([i + 1, i + 2], sp) for i in range(10)]
+        frames: list[tuple[Headers, list]] = []
+        rows: list[list] = []
+        while len(rows) < 10:
+            assert await asyncio.to_thread(eng.poll, 5000), f"only {len(rows)} of 10 dispatched"
+            header, fields = decode(eng.recv())
+            if header in (Headers.DISPATCH_REQUEST, Headers.DISPATCH_BATCH):
+                frames.append((header, fields))
+                rows.extend([fields] if header is Headers.DISPATCH_REQUEST else fields[0])
+        # the turn's first request leaves alone, the other nine as one batch, one frame
+        assert [h_ for h_, _ in frames] == [Headers.DISPATCH_REQUEST, Headers.DISPATCH_BATCH]
+        replies = []
+        for row in rows:
+            req = DynamicInferenceRequest(request_id=row[0], prompt_tokens=torch.tensor([1, 2]))
+            req.append_token(7, None, None, 0)
+            replies.append([row[0], DynamicInferenceRequestRecord.from_request(req).to_bytes()])
+        eng.send(encode(Headers.REPLY, replies))
+        records = await asyncio.wait_for(asyncio.gather(*futs), 10)
+        assert [r.merge().generated_tokens for r in records] == [[7]] * 10
+    finally:
+        client.stop()
+        eng.close(0)
+        ctx.term()
+        h.close()
+
+
+def test_dispatch_batch_schema_checks_every_row():
+    row = [1, pack_tokens([1, 2]), b"\x80", b"", b"", b"", False]
+    assert decode(encode(Headers.DISPATCH_BATCH, [row, row]))[0] is Headers.DISPATCH_BATCH
+    with pytest.raises(ProtocolError, match=r"requests\[1\]\.stream must be bool"):
+        encode(Headers.DISPATCH_BATCH, [row, [*row[:-1], 1]])

@@ -164,6 +164,9 @@ class EngineWorker:
     def _handle(self, header: Headers, fields: list) -> None:
         if header is Headers.DISPATCH_REQUEST:
             self._add(*fields)
+        elif header is Headers.DISPATCH_BATCH:
+            for row in fields[0]:
+                self._add(*row)
         elif header is Headers.ABORT_REQUEST:
             self.engine.abort(fields[0])
         elif header in CONTROL_HEADERS:
