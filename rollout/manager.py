@@ -9,21 +9,19 @@ It owns the engine and hands the trainer finished GRPO groups. Two modes:
 - async: a background thread owns the engine and keeps generating while the trainer trains.
   Every call from the trainer (update_weights, suspend, ...) is a command the thread runs between
   two engine steps, so a weight swap can never land inside a forward pass (no sample mixes
-  versions within one token), and no lock can starve the trainer.
+  versions within one token), and no lock can starve the trainer (`rollout.driver`).
 
 Staleness is counted in weight updates and measured when a sample is handed out. `max_staleness`
 bounds the per-token policy staleness of handed-out samples: stale groups are dropped whole
 (`stale_policy="drop"`; GRPO advantages need complete groups) or only their stale samples are
-re-sampled (`"regenerate"`). Both are counted in `stats()`.
+re-sampled (`"regenerate"`). Both are counted in `stats()` (`rollout.staleness`).
 """
 
 from __future__ import annotations
 
 import atexit
-import concurrent.futures
 import contextlib
 import dataclasses
-import threading
 import time
 import weakref
 from collections import deque
@@ -33,8 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from rollout.driver import EngineDriver
 from rollout.samples import Sample, collate, sample_from_request
 from rollout.sampling import SamplingParams
+from rollout.staleness import Group, age_group, stale_indices, staleness_stats
 from rollout.weights import as_state_dict, check_compatible
 
 __all__ = ["RolloutManager", "RolloutManagerConfig", "Sample", "collate"]
@@ -86,26 +86,7 @@ class RolloutManagerConfig:
             raise ValueError(f"collect_timeout_s must be > 0, got {self.collect_timeout_s!r}")
 
 
-@dataclasses.dataclass
-class _Group:
-    gid: int
-    prompt: Any
-    metadata: Any
-    sampling_params: SamplingParams
-    samples: list[Sample | None]
-    finished_at: list[int]  # manager update count when each sample finished
-    for_collect: bool = True
-
-    @property
-    def complete(self) -> bool:
-        return all(s is not None for s in self.samples)
-
-
-class _Closed(RuntimeError):
-    pass
-
-
-class RolloutManager:
+class RolloutManager(EngineDriver):
     """Generation for RL: collect GRPO groups, suspend/resume, versioned weight updates."""
 
     def __init__(
@@ -137,8 +118,8 @@ class RolloutManager:
             )
         self.engine = engine
         self.version = int(getattr(engine, "weight_version", self.config.initial_version))
-        self._cv = threading.Condition()
-        self._groups: dict[int, _Group] = {}
+        self._init_driver()
+        self._groups: dict[int, Group] = {}
         self._requests: dict[int, tuple[int, int]] = {}  # request id -> (group id, index)
         self._ready: deque[int] = deque()
         self._next_rid = 0
@@ -152,7 +133,6 @@ class RolloutManager:
         self._batch_size = 1
         self._suspended = False
         self._closed = False
-        self._error: BaseException | None = None
         self._counters: dict[str, float] = dict.fromkeys(
             (
                 "samples_out",
@@ -168,11 +148,8 @@ class RolloutManager:
             0,
         )
         self._last: dict[str, float] = {}
-        self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
-        self._thread: threading.Thread | None = None
         if self.config.mode == "async":
-            self._thread = threading.Thread(target=self._run, name="rollout-async", daemon=True)
-            self._thread.start()
+            self._start_thread()
         ref = weakref.ref(self)
         self._atexit = lambda: (m := ref()) is not None and m.close()
         atexit.register(self._atexit)
@@ -238,7 +215,7 @@ class RolloutManager:
         gids = self._call(lambda: [self._submit_group(p, n, sp, for_collect=False) for p in items])
         self._wait(lambda: all(self._groups[g].complete for g in gids))
         with self._cv:
-            out = [self._hand_out(self._groups.pop(g)) for g in gids]
+            out = [age_group(self._groups.pop(g), self._num_updates) for g in gids]
         return [s for grp in out for s in grp]
 
     def collect(
@@ -277,7 +254,7 @@ class RolloutManager:
                 self._cv.notify_all()  # room for the async thread to submit more
             if take == [] and self._exhausted_now():
                 break
-        self._record_staleness(batch)  # the whole batch, not just its last group
+        self._last.update(staleness_stats(batch))  # the whole batch, not just its last group
         if reward_fn is not None:
             for s in batch:
                 s.reward = reward_fn(s)
@@ -331,17 +308,7 @@ class RolloutManager:
         """Stop generating and release the engine; idempotent, safe from atexit."""
         if self._closed:
             return
-        if self._thread is not None and self._thread.is_alive():
-            with self._cv:
-                self._closed = True
-                self._cv.notify_all()
-            self._thread.join(timeout=30)
-        self._closed = True
-        with self._cv:
-            for _fn, fut in self._commands:
-                fut.set_exception(_Closed("RolloutManager closed"))
-            self._commands.clear()
-            self._cv.notify_all()
+        self._stop_driver()
         for rid in list(self._requests):
             abort = getattr(self.engine, "abort", None)
             if abort is not None:
@@ -369,24 +336,7 @@ class RolloutManager:
     def suspended(self) -> bool:
         return self._suspended
 
-    # ------------------------------------------------------------------ commands
-
-    def _call(self, fn: Callable[[], Any]) -> Any:
-        """Run `fn` with exclusive access to the engine: inline, or between two async steps."""
-        if self._closed:
-            raise RuntimeError("RolloutManager is closed")
-        if self._thread is None:
-            return fn()
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        with self._cv:
-            if self._error is not None:
-                raise RuntimeError("rollout thread failed") from self._error
-            self._commands.append((fn, fut))
-            self._cv.notify_all()
-        wake = getattr(self.engine, "wake", None)
-        if wake is not None:  # a cluster engine blocks in step() waiting for records
-            wake()
-        return fut.result(timeout=self.config.collect_timeout_s)
+    # ------------------------------------------------------------------ engine lifecycle
 
     def _do_suspend(self) -> int:
         if self._suspended:
@@ -476,14 +426,14 @@ class RolloutManager:
             raise ValueError(f"prompt source item has no prompt: {item!r:.200}")
         gid = self._next_gid
         self._next_gid += 1
-        g = _Group(gid, prompt, meta, sp, [None] * n, [0] * n, for_collect)
+        g = Group(gid, prompt, meta, sp, [None] * n, [0] * n, for_collect)
         with self._cv:
             self._groups[gid] = g
         for i in range(n):
             self._submit_sample(g, i)
         return gid
 
-    def _submit_sample(self, g: _Group, index: int) -> None:
+    def _submit_sample(self, g: Group, index: int) -> None:
         sp = g.sampling_params
         if sp.seed is not None:  # distinct, reproducible streams per sample
             sp = sp.replace(
@@ -516,16 +466,10 @@ class RolloutManager:
                 self._ready.append(gid)
             self._cv.notify_all()
 
-    def _hand_out(self, g: _Group) -> list[Sample]:
-        for s, at in zip(g.samples, g.finished_at, strict=True):
-            s.age(self._num_updates - at)
-        return list(g.samples)
-
-    def _filter_stale(self, g: _Group) -> list[Sample] | None:
+    def _filter_stale(self, g: Group) -> list[Sample] | None:
         """Age the group to now; None if it went back for regeneration or was dropped."""
-        samples = self._hand_out(g)
-        bound = self.config.max_staleness
-        stale = [s.index for s in samples if bound is not None and s.max_policy_staleness > bound]
+        samples = age_group(g, self._num_updates)
+        stale = stale_indices(samples, self.config.max_staleness)
         if not stale:
             self._counters["groups_out"] += 1
             self._counters["samples_out"] += len(samples)
@@ -541,23 +485,6 @@ class RolloutManager:
         self._call_later(lambda: [self._submit_sample(g, i) for i in stale])
         return None
 
-    def _record_staleness(self, samples: list[Sample]) -> None:
-        pol = [x for s in samples for x in s.policy_staleness]
-        kv = [x for s in samples for x in s.kv_staleness]
-        if pol:
-            self._last["staleness/policy_token_mean"] = sum(pol) / len(pol)
-            self._last["staleness/policy_max"] = max(pol)
-            self._last["staleness/kv_token_mean"] = sum(kv) / len(kv)
-            self._last["staleness/kv_max"] = max(kv)
-            self._last["staleness/versions_per_sample_max"] = max(
-                len(s.weight_versions) for s in samples
-            )
-
-    def _call_later(self, fn: Callable[[], Any]) -> None:
-        """Queue engine work from inside a `_cv` section (runs before the next step)."""
-        self._commands.append((fn, concurrent.futures.Future()))
-        self._cv.notify_all()
-
     def _exhausted(self) -> bool:
         """Nothing more can become ready: source done and no collect group in flight."""
         return self._source_done and not any(
@@ -567,80 +494,6 @@ class RolloutManager:
     def _exhausted_now(self) -> bool:
         with self._cv:
             return self._exhausted() and not self._ready
-
-    def _run_commands(self) -> None:
-        while True:
-            with self._cv:
-                if not self._commands:
-                    return
-                fn, fut = self._commands.popleft()
-            try:
-                fut.set_result(fn())
-            except BaseException as e:
-                fut.set_exception(e)
-
-    def _wait(self, done: Callable[[], bool]) -> None:
-        """Block until `done()`: drive the engine inline, or wait for the async thread."""
-        deadline = time.monotonic() + self.config.collect_timeout_s
-        if self._thread is None:
-            while True:
-                self._run_commands()
-                with self._cv:
-                    if done():
-                        return
-                if self._suspended:
-                    raise RuntimeError(
-                        "RolloutManager is suspended: call resume() before generating"
-                    )
-                self._refill()
-                if not self.engine.has_unfinished_requests():
-                    with self._cv:
-                        if done() or self._exhausted():
-                            return
-                    raise RuntimeError("engine idle but the requested samples never finished")
-                self._step()
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no result within {self.config.collect_timeout_s}s")
-        with self._cv:
-            self._cv.notify_all()
-            ok = self._cv.wait_for(
-                lambda: done() or self._error is not None or self._closed or self._suspended,
-                timeout=self.config.collect_timeout_s,
-            )
-            if not done() and self._suspended:
-                raise RuntimeError("RolloutManager is suspended: call resume() before generating")
-            if self._error is not None:
-                raise RuntimeError("rollout thread failed") from self._error
-            if self._closed:
-                raise RuntimeError("RolloutManager closed while waiting")
-            if not ok:
-                raise TimeoutError(f"no result within {self.config.collect_timeout_s}s")
-
-    def _run(self) -> None:
-        """Async mode: the only thread that touches the engine."""
-        try:
-            while True:
-                self._run_commands()
-                with self._cv:
-                    if self._closed:
-                        return
-                    busy = not self._suspended and (
-                        self.engine.has_unfinished_requests() or self._can_refill()
-                    )
-                    if not busy and not self._commands:
-                        self._cv.wait()
-                        continue
-                if busy:
-                    self._refill()
-                    if self.engine.has_unfinished_requests():
-                        self._step()
-        except BaseException as e:
-            with self._cv:
-                self._error = e
-                for _, fut in self._commands:
-                    fut.set_exception(e)
-                self._commands.clear()
-                self._cv.notify_all()
 
     def _can_refill(self) -> bool:
         return (

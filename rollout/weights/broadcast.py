@@ -1,9 +1,9 @@
-"""Weight sync: in-process copies and a bucketed `torch.distributed` broadcast with a handshake.
+"""Bucketed `torch.distributed` weight broadcast with a handshake: trainer -> engine ranks.
 
 Why the ceremony: the classic RL bugs are an engine silently serving the wrong weights (a partial
 or corrupted transfer, a tied weight that was not refreshed) and engines disagreeing on the
 version. So every path validates *everything* before touching a single parameter, and the
-broadcast path is a two-phase commit:
+broadcast is a two-phase commit:
 
 1. rank `src` broadcasts a msgpack manifest (names, dtypes, shapes, byte offsets, version,
    bucket size, checksum algorithm); every receiver checks it against its model and votes;
@@ -20,37 +20,29 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import struct
 import time
-import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 
-import msgpack
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from rollout.weights.layout import (
+    ALIGN,
+    TensorSlot,
+    _byte_view,
+    _pack,
+    _pack_manifest,
+    _unpack_manifest,
+    bucket_checksum,
+    plan_chunks,
+    plan_layout,
+)
+from rollout.weights.state import _target_tensors, as_state_dict, check_compatible, copy_weights_
+
 MAGIC = 0x52574753  # "RWGS"
-ALIGN = 16  # byte alignment of every tensor inside the flat stream (dtype views need it)
 DEFAULT_BUCKET_BYTES = 64 << 20
 _STATUS_OK = 0
-
-_DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.float64,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    )
-}
 
 
 class WeightSyncError(RuntimeError):
@@ -78,215 +70,10 @@ class SyncResult:
         return self.num_bytes / max(self.seconds, 1e-12) / 1e9
 
 
-# ---------------------------------------------------------------------------------------------
-# In-process updates
-# ---------------------------------------------------------------------------------------------
-
-
-def as_state_dict(source: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A name -> tensor mapping from a module (its state_dict, detached) or a mapping."""
-    if isinstance(source, nn.Module):
-        return {k: v.detach() for k, v in source.state_dict().items()}
-    if isinstance(source, Mapping):
-        for k, v in source.items():
-            if not isinstance(k, str) or not isinstance(v, torch.Tensor):
-                raise TypeError(f"state_dict entries must be str -> Tensor, got {k!r}: {type(v)}")
-        return dict(source)
-    raise TypeError(f"expected an nn.Module or a state_dict mapping, got {type(source).__name__}")
-
-
-def _target_tensors(target: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    if isinstance(target, nn.Module):
-        return dict(target.state_dict(keep_vars=True))
-    return dict(target)
-
-
-def check_compatible(
-    target: Mapping[str, torch.Tensor],
-    specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
-    *,
-    strict: bool = True,
-    allow_cast: bool = False,
-) -> None:
-    """Raise ValueError listing every name/shape/dtype problem (all of them, not the first)."""
-    problems: list[str] = []
-    unexpected = sorted(set(specs) - set(target))
-    if unexpected:
-        problems.append(
-            f"unexpected tensors {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
-        )
-    if strict:
-        missing = sorted(set(target) - set(specs))
-        if missing:
-            problems.append(f"missing tensors {missing[:8]}{'...' if len(missing) > 8 else ''}")
-    for name, (dtype, shape) in specs.items():
-        t = target.get(name)
-        if t is None:
-            continue
-        if tuple(t.shape) != tuple(shape):
-            problems.append(f"{name}: shape {tuple(shape)} != model {tuple(t.shape)}")
-        if t.dtype != dtype and not allow_cast:
-            problems.append(f"{name}: dtype {dtype} != model {t.dtype} (pass allow_cast=True)")
-    if problems:
-        raise ValueError("incompatible weights: " + "; ".join(problems))
-
-
-@torch.no_grad()
-def copy_weights_(
-    target: nn.Module | Mapping[str, torch.Tensor],
-    source: nn.Module | Mapping[str, torch.Tensor],
-    *,
-    strict: bool = True,
-    allow_cast: bool = False,
-) -> int:
-    """Copy `source` into `target` in place; validate everything first. Returns bytes copied.
-
-    In place (not `load_state_dict(assign=True)`) so references the engine holds to parameter
-    storage stay valid, and tied weights stay tied. `strict=False` allows a partial update
-    (missing names keep their values); unexpected names are always an error.
-    """
-    dst = _target_tensors(target)
-    src = as_state_dict(source)
-    check_compatible(
-        dst,
-        {k: (v.dtype, tuple(v.shape)) for k, v in src.items()},
-        strict=strict,
-        allow_cast=allow_cast,
-    )
-    nbytes = 0
-    for name, value in src.items():
-        d = dst[name]
-        d.copy_(value, non_blocking=False)
-        nbytes += d.numel() * d.element_size()
-    return nbytes
-
-
-def state_dict_checksum(source: nn.Module | Mapping[str, torch.Tensor]) -> int:
-    """crc32 over the raw bytes of every tensor in name order (CPU copy): a cheap identity test."""
-    crc = 0
-    for name, t in sorted(as_state_dict(source).items()):
-        crc = zlib.crc32(name.encode(), crc)
-        crc = zlib.crc32(_byte_view(t.detach().cpu()).numpy(), crc)
-    return crc
-
-
-# ---------------------------------------------------------------------------------------------
-# Layout and checksums
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorSlot:
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int  # byte offset in the flat stream (ALIGN-aligned)
-    nbytes: int
-
-
-def _byte_view(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def plan_layout(tensors: Mapping[str, torch.Tensor]) -> tuple[list[TensorSlot], int]:
-    """Lay tensors end to end (aligned) in one byte stream; returns the slots and total bytes."""
-    slots, offset = [], 0
-    for name, t in tensors.items():
-        if t.dtype not in _DTYPES.values():
-            raise ValueError(f"{name}: dtype {t.dtype} is not supported by weight sync")
-        nbytes = t.numel() * t.element_size()
-        slots.append(TensorSlot(name, t.dtype, tuple(t.shape), offset, nbytes))
-        offset = _align(offset + nbytes)
-    return slots, offset
-
-
-def bucket_checksum(buf: torch.Tensor, algo: str) -> int:
-    """Checksum of a 1-D uint8 buffer: `sum` (default) or `crc32` (zlib, CPU bytes).
-
-    `sum` is Fletcher-style over 4 KiB rows of 64-bit words: the plain sum of the row sums plus
-    their row-index-weighted sum (mod 2**64), and a crc32 of the ragged tail. One read of the
-    data (~10 GB/s per core here, 5x zlib's crc32), no copy, and the same bits from torch on CPU
-    or GPU. It catches any changed word, truncation, and reordered or shifted rows: the failures
-    a byte-range transfer can produce; it does not try to be cryptographic.
-    """
-    if algo == "sum":
-        return _sum_rows(buf)
-    if algo == "crc32":
-        return zlib.crc32(buf.cpu().numpy()) if buf.numel() else 0
-    if algo == "none":
-        return 0
-    raise ValueError(f"checksum algo must be 'sum', 'crc32' or 'none', got {algo!r}")
-
-
-_COLS = 512
-_U64 = 2**64 - 1
-_ROW_INDEX: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def _row_index(n: int, device: torch.device) -> torch.Tensor:
-    idx = _ROW_INDEX.get((device, n))
-    if idx is None:
-        idx = _ROW_INDEX[(device, n)] = torch.arange(1, n + 1, dtype=torch.int64, device=device)
-    return idx
-
-
-def _sum_rows(buf: torch.Tensor) -> int:
-    if buf.storage_offset() % 8:  # int64 view needs 8-byte alignment (odd slices of a storage)
-        buf = buf.clone()
-    n = buf.numel()
-    full = n // (8 * _COLS) * (8 * _COLS)
-    s1 = s2 = 0
-    if full:  # int64 arithmetic wraps like uint64: identical bits on every device
-        rows = buf[:full].view(torch.int64).view(-1, _COLS).sum(1)
-        s1 = int(rows.sum().item()) & _U64
-        s2 = int((rows * _row_index(rows.numel(), rows.device)).sum().item()) & _U64
-    tail = zlib.crc32(buf[full:].cpu().numpy()) if n > full else 0
-    digest = struct.pack("<QQIQ", s1, s2, tail, n)
-    return int.from_bytes(hashlib.blake2b(digest, digest_size=8).digest(), "little") >> 2
-
-
 def _group_device(group: dist.ProcessGroup | None) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _pack_manifest(
-    version: int, slots: list[TensorSlot], total: int, bucket: int, algo: str, direct: int
-) -> bytes:
-    return msgpack.packb(
-        {
-            "version": version,
-            "total_bytes": total,
-            "bucket_bytes": bucket,
-            "direct_bytes": direct,
-            "checksum": algo,
-            "tensors": [
-                [s.name, str(s.dtype).removeprefix("torch."), list(s.shape), s.offset, s.nbytes]
-                for s in slots
-            ],
-        }
-    )
-
-
-def _unpack_manifest(raw: bytes) -> tuple[int, list[TensorSlot], int, int, str, int]:
-    m = msgpack.unpackb(raw)
-    slots = []
-    for name, dtype, shape, offset, nbytes in m["tensors"]:
-        if dtype not in _DTYPES:
-            raise ValueError(f"{name}: unknown dtype {dtype!r} in manifest")
-        slots.append(TensorSlot(name, _DTYPES[dtype], tuple(shape), offset, nbytes))
-    direct = m.get("direct_bytes", m["bucket_bytes"])
-    return m["version"], slots, m["total_bytes"], m["bucket_bytes"], m["checksum"], direct
-
-
-# ---------------------------------------------------------------------------------------------
-# Broadcast: sender (trainer rank) and receivers (engine ranks)
-# ---------------------------------------------------------------------------------------------
 
 
 class _Collectives:
@@ -472,58 +259,6 @@ class _Aborted(Exception):
     def __init__(self, posted: int):
         super().__init__(f"aborted after {posted} chunks")
         self.posted = posted
-
-
-def plan_chunks(
-    slots: list[TensorSlot], total: int, bucket: int, direct: int
-) -> list[tuple[int, int, str | None]]:
-    """The transfer as byte ranges `(start, end, name)` of the flat stream, same on every rank.
-
-    `name` marks a direct chunk (a piece of that tensor, at most `bucket` bytes); None a packed
-    range of small tensors (at most `bucket` bytes, padding included).
-    """
-    chunks: list[tuple[int, int, str | None]] = []
-    start = end = None
-    for s in slots:
-        if s.nbytes >= direct:
-            if start is not None:
-                chunks.append((start, end, None))
-                start = None
-            stop = s.offset + s.nbytes
-            chunks.extend((a, min(a + bucket, stop), s.name) for a in range(s.offset, stop, bucket))
-            continue
-        if start is not None and _align(s.offset + s.nbytes) - start > bucket:
-            chunks.append((start, end, None))
-            start = None
-        if start is None:
-            start = s.offset
-        end = _align(s.offset + s.nbytes)
-    if start is not None and end > start:
-        chunks.append((start, end, None))
-    return chunks
-
-
-def _pack(view: torch.Tensor, start: int, end: int, tensors, slots: list[TensorSlot]) -> None:
-    """Copy the [start, end) byte window of the flat stream into `view` (only padding zeroed)."""
-    cursor = start
-    for s in _overlapping(slots, start, end):
-        a, b = max(s.offset, start), min(s.offset + s.nbytes, end)
-        if a > cursor:
-            view[cursor - start : a - start].zero_()
-        src = _byte_view(tensors[s.name])[a - s.offset : b - s.offset]
-        view[a - start : b - start].copy_(src)
-        cursor = b
-    if cursor < end:
-        view[cursor - start :].zero_()
-
-
-def _overlapping(slots: list[TensorSlot], start: int, end: int) -> Iterable[TensorSlot]:
-    # slots are sorted by offset; a linear scan is fine for thousands of tensors per bucket
-    for s in slots:
-        if s.offset >= end:
-            break
-        if s.offset + s.nbytes > start:
-            yield s
 
 
 ApplyFn = Callable[[dict[str, torch.Tensor], int], None]

@@ -1,0 +1,137 @@
+"""Hydra structured configs for a whole RL run, and the cross-field checks that guard them.
+
+One dataclass per config group (`model`, `engine`, `coordinator`, `rollout`, `trainer`,
+`logger`, `recipe`) composed into `RunConfig`, registered in Hydra's ConfigStore as
+`base_config`; `rollout/conf/config.yaml` starts from it, so every YAML option and every command-line
+override is type-checked by OmegaConf (a wrong type or an unknown enum value fails with the key
+and the allowed values). `validate()` adds what types cannot express: relations between groups
+(async rollouts need importance correction, the KV pool must hold one max-length request, GRPO
+needs a group, ...). It reports every problem at once, each naming the key and what is allowed.
+
+    from rollout.config import load_config
+    cfg = load_config(["rollout=async", "trainer.tis_cap=2.0"])    # composed + validated
+
+Hydra apps: `@hydra.main(config_path=str(CONF_DIR), config_name="config")`, then
+`cfg = validate(dict_cfg)` first thing in the task function.
+
+Modules: `schema` (the dataclasses and enums), `checks` (`to_run_config`, `validate`), `builders`
+(objects for the app from a RunConfig); this module composes and loads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rollout.config.builders import (
+    build_logger,
+    build_model_and_tokenizer,
+    build_tokenizer,
+    inference_config,
+    kv_bytes_per_block,
+    manager_config,
+    model_config,
+    resolve_device,
+    sampling_params,
+    task_of,
+    to_dict,
+    torch_dtype,
+    wandb_dir,
+)
+from rollout.config.checks import to_run_config, validate
+from rollout.config.schema import (
+    GROUPS,
+    HF_DIR,
+    MODEL_PRESETS,
+    ConfigError,
+    CoordinatorCfg,
+    DType,
+    EngineCfg,
+    KVPolicy,
+    LoggerCfg,
+    LossAgg,
+    LossType,
+    ModelCfg,
+    Optimizer,
+    RecipeCfg,
+    RolloutCfg,
+    RolloutMode,
+    RoutingPolicy,
+    RunConfig,
+    StalePolicy,
+    SuspendMode,
+    TrainerCfg,
+    WandbMode,
+    register_configs,
+)
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # package data: ships in the wheel
+
+
+def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "config") -> Any:
+    """Compose `rollout/conf/<config_name>.yaml` with overrides (outside a Hydra app) -> DictConfig."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+
+    try:
+        if GlobalHydra.instance().is_initialized():
+            return hydra_compose(config_name=config_name, overrides=list(overrides))
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return hydra_compose(config_name=config_name, overrides=list(overrides))
+    except HydraException as e:  # "Error merging override x=y" + OmegaConf's reason (the cause)
+        cause = f"\n{e.__cause__}" if e.__cause__ is not None else ""
+        raise ConfigError(f"{e}{cause}") from e
+
+
+def load_config(
+    overrides: list[str] | tuple[str, ...] = (), config_name: str = "config"
+) -> RunConfig:
+    """compose + validate: the RunConfig a program can use, or ConfigError / Hydra's error."""
+    return validate(compose(overrides, config_name))
+
+
+__all__ = [
+    "CONF_DIR",
+    "GROUPS",
+    "HF_DIR",
+    "MODEL_PRESETS",
+    "ConfigError",
+    "CoordinatorCfg",
+    "DType",
+    "EngineCfg",
+    "KVPolicy",
+    "LoggerCfg",
+    "LossAgg",
+    "LossType",
+    "ModelCfg",
+    "Optimizer",
+    "RecipeCfg",
+    "RolloutCfg",
+    "RolloutMode",
+    "RoutingPolicy",
+    "RunConfig",
+    "StalePolicy",
+    "SuspendMode",
+    "TrainerCfg",
+    "WandbMode",
+    "build_logger",
+    "build_model_and_tokenizer",
+    "build_tokenizer",
+    "compose",
+    "inference_config",
+    "kv_bytes_per_block",
+    "load_config",
+    "manager_config",
+    "model_config",
+    "register_configs",
+    "resolve_device",
+    "sampling_params",
+    "task_of",
+    "to_dict",
+    "to_run_config",
+    "torch_dtype",
+    "validate",
+    "wandb_dir",
+]

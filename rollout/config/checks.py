@@ -1,0 +1,265 @@
+"""Turning a config into a checked `RunConfig`: OmegaConf's type checks, then the cross-field
+checks types cannot express (async rollouts need importance correction, the KV pool must hold
+one max-length request, GRPO needs a group, ...). Every problem is reported at once, each naming
+the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollout.config.builders import kv_bytes_per_block, task_of
+from rollout.config.schema import (
+    HF_DIR,
+    MODEL_PRESETS,
+    ConfigError,
+    KVPolicy,
+    LossType,
+    RolloutMode,
+    RunConfig,
+    SuspendMode,
+)
+
+
+def to_run_config(cfg: Any) -> RunConfig:
+    """DictConfig / dict / RunConfig -> type-checked RunConfig (ConfigError on bad types)."""
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        if isinstance(cfg, RunConfig):
+            cfg = OmegaConf.structured(cfg)
+        elif isinstance(cfg, dict):
+            cfg = OmegaConf.create(cfg)
+        elif not isinstance(cfg, DictConfig):
+            raise ConfigError(f"expected a RunConfig, DictConfig or dict, got {type(cfg).__name__}")
+        if "hydra" in cfg:  # composed with return_hydra_config=True: not part of the run
+            cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"invalid config: {e}") from e
+
+
+def validate(cfg: Any) -> RunConfig:
+    """Type-check `cfg` and run the cross-field checks; returns the RunConfig or raises
+    ConfigError listing every problem (one line each, starting with the key)."""
+    run = to_run_config(cfg)
+    errors: list[str] = []
+    for check in (_check_model, _check_engine, _check_coordinator, _check_rollout, _check_trainer,
+                  _check_logger, _check_recipe, _check_cross):  # fmt: skip
+        check(run, errors)
+    if errors:
+        raise ConfigError("invalid run config:\n  " + "\n  ".join(errors))
+    return run
+
+
+def _need(errors: list[str], ok: bool, message: str) -> bool:
+    if not ok:
+        errors.append(message)
+    return ok
+
+
+def _check_model(run: RunConfig, errors: list[str]) -> None:
+    m = run.model
+    allowed = [*MODEL_PRESETS, HF_DIR]
+    known = _need(errors, m.name in allowed, f"model.name={m.name!r} is not one of {allowed}")
+    if known and m.name == HF_DIR:
+        path = m.path or ""
+        if not path:
+            errors.append("model.path must be set for model.name=hf_dir (a HF checkpoint folder)")
+        elif not (Path(path) / "config.json").is_file():
+            errors.append(
+                f"model.path={path!r} has no config.json (expected a HF checkpoint folder)"
+            )
+    if m.vocab_size is not None:
+        _need(
+            errors, m.vocab_size >= 1, f"model.vocab_size must be >= 1 or null, got {m.vocab_size}"
+        )
+    if m.device != "auto":
+        try:
+            torch.device(m.device)
+        except (RuntimeError, TypeError):
+            errors.append(
+                f"model.device={m.device!r} is not a torch device; use cpu, cuda, cuda:N or auto"
+            )
+    _need(errors, m.tokenizer is not None or bool(m.path),
+          "model.tokenizer=null means 'the tokenizer in model.path', but model.path is not set")  # fmt: skip
+
+
+def _check_engine(run: RunConfig, errors: list[str]) -> None:
+    e = run.engine
+    for name in ("block_size", "max_requests", "max_tokens_per_step", "max_sequence_length",
+                 "kv_cache_memory_bytes"):  # fmt: skip
+        _need(errors, getattr(e, name) >= 1, f"engine.{name} must be >= 1, got {getattr(e, name)}")
+    if e.num_blocks is not None:
+        _need(
+            errors, e.num_blocks >= 1, f"engine.num_blocks must be >= 1 or null, got {e.num_blocks}"
+        )
+    _need(
+        errors,
+        e.streaming_interval >= 0,
+        f"engine.streaming_interval must be >= 0, got {e.streaming_interval}",
+    )
+    _need(errors, e.max_tokens_per_step >= e.max_requests,
+          f"engine.max_tokens_per_step ({e.max_tokens_per_step}) must be >= engine.max_requests "
+          f"({e.max_requests}): every running request decodes one token per step")  # fmt: skip
+    if not e.enable_chunked_prefill:
+        _need(errors, e.max_tokens_per_step >= e.max_sequence_length,
+              f"engine.max_tokens_per_step ({e.max_tokens_per_step}) < engine.max_sequence_length "
+              f"({e.max_sequence_length}) needs engine.enable_chunked_prefill=true (a whole prompt "
+              "must fit in one step otherwise)")  # fmt: skip
+
+
+def _check_coordinator(run: RunConfig, errors: list[str]) -> None:
+    c = run.coordinator
+    _need(errors, bool(c.host), "coordinator.host must not be empty")
+    _need(
+        errors,
+        0 <= c.port <= 65535,
+        f"coordinator.port must be in [0, 65535] (0 = any free), got {c.port}",
+    )
+    _need(
+        errors,
+        0.0 <= c.prefix_alpha <= 1.0,
+        f"coordinator.prefix_alpha must be in [0, 1], got {c.prefix_alpha}",
+    )
+    _need(
+        errors,
+        c.prefix_table_size >= 1,
+        f"coordinator.prefix_table_size must be >= 1, got {c.prefix_table_size}",
+    )
+    _need(errors, c.token is None or len(c.token) > 0,
+          "coordinator.token must be a non-empty string or null (no authentication)")  # fmt: skip
+    if _need(
+        errors, c.heartbeat_s > 0, f"coordinator.heartbeat_s must be > 0, got {c.heartbeat_s}"
+    ):
+        _need(errors, c.engine_timeout_s > c.heartbeat_s,
+              f"coordinator.engine_timeout_s ({c.engine_timeout_s}) must exceed coordinator.heartbeat_s "
+              f"({c.heartbeat_s}), or every engine is declared dead between heartbeats")  # fmt: skip
+
+
+def _check_rollout(run: RunConfig, errors: list[str]) -> None:
+    r = run.rollout
+    for name in ("dp", "samples_per_prompt", "prompts_per_step", "max_new_tokens"):
+        _need(errors, getattr(r, name) >= 1, f"rollout.{name} must be >= 1, got {getattr(r, name)}")
+    _need(
+        errors,
+        r.temperature >= 0,
+        f"rollout.temperature must be >= 0 (0 = greedy), got {r.temperature}",
+    )
+    _need(errors, 0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
+    _need(errors, r.top_k >= 0, f"rollout.top_k must be >= 0 (0 = off), got {r.top_k}")
+    _need(
+        errors, r.max_staleness >= 0, f"rollout.max_staleness must be >= 0, got {r.max_staleness}"
+    )
+
+
+def _check_trainer(run: RunConfig, errors: list[str]) -> None:
+    t = run.trainer
+    _need(errors, t.lr > 0, f"trainer.lr must be > 0, got {t.lr}")
+    if t.warmup_sft_lr is not None:
+        _need(
+            errors,
+            t.warmup_sft_lr > 0,
+            f"trainer.warmup_sft_lr must be > 0 or null, got {t.warmup_sft_lr}",
+        )
+    _need(errors, len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas),
+          f"trainer.betas must be two numbers in [0, 1), got {list(t.betas)}")  # fmt: skip
+    _need(errors, t.weight_decay >= 0, f"trainer.weight_decay must be >= 0, got {t.weight_decay}")
+    if t.grad_clip is not None:
+        _need(
+            errors,
+            t.grad_clip > 0,
+            f"trainer.grad_clip must be > 0 or null (off), got {t.grad_clip}",
+        )
+    for name in ("steps", "batch", "ppo_epochs"):
+        _need(errors, getattr(t, name) >= 1, f"trainer.{name} must be >= 1, got {getattr(t, name)}")
+    _need(
+        errors,
+        t.warmup_sft_steps >= 0,
+        f"trainer.warmup_sft_steps must be >= 0, got {t.warmup_sft_steps}",
+    )
+    _need(
+        errors,
+        0 <= t.clip_eps_low < 1,
+        f"trainer.clip_eps_low must be in [0, 1), got {t.clip_eps_low}",
+    )
+    _need(
+        errors, t.clip_eps_high >= 0, f"trainer.clip_eps_high must be >= 0, got {t.clip_eps_high}"
+    )
+    if t.tis_cap is not None:
+        _need(errors, t.tis_cap >= 1,
+              f"trainer.tis_cap must be >= 1 (a cap below 1 down-weights on-policy tokens) or null "
+              f"(off), got {t.tis_cap}")  # fmt: skip
+    _need(errors, t.kl_coef >= 0, f"trainer.kl_coef must be >= 0, got {t.kl_coef}")
+
+
+def _check_logger(run: RunConfig, errors: list[str]) -> None:
+    lg = run.logger
+    _need(errors, bool(lg.project), "logger.project must not be empty")
+    _need(errors, lg.log_every >= 1, f"logger.log_every must be >= 1, got {lg.log_every}")
+
+
+def _check_recipe(run: RunConfig, errors: list[str]) -> None:
+    rc = run.recipe
+    _need(
+        errors, rc.eval_every >= 0, f"recipe.eval_every must be >= 0 (0 = off), got {rc.eval_every}"
+    )
+    _need(errors, rc.eval_prompts >= 1, f"recipe.eval_prompts must be >= 1, got {rc.eval_prompts}")
+    try:
+        task_of(run)
+    except ValueError as e:
+        errors.append(f"recipe.task={rc.task!r} / recipe.task_kwargs={dict(rc.task_kwargs)}: {e}")
+
+
+def _check_cross(run: RunConfig, errors: list[str]) -> None:
+    r, t, e = run.rollout, run.trainer, run.engine
+    if r.mode == RolloutMode["async"]:
+        _need(errors, t.tis_cap is not None,
+              "rollout.mode=async trains on tokens sampled by older weights, so it needs importance "
+              "correction: set trainer.tis_cap (e.g. trainer.tis_cap=2.0)")  # fmt: skip
+    if t.loss == LossType.grpo:
+        _need(errors, r.samples_per_prompt >= 2,
+              f"trainer.loss=grpo needs rollout.samples_per_prompt >= 2 (the group is the baseline), "
+              f"got {r.samples_per_prompt}")  # fmt: skip
+    if r.mode == RolloutMode.colocated and r.kv_policy == KVPolicy.keep:
+        _need(errors, e.suspend_mode != SuspendMode.recompute,
+              "rollout.kv_policy=keep has no effect with engine.suspend_mode=recompute in colocated "
+              "mode (suspend drops the KV, resume recomputes it): use engine.suspend_mode=offload or "
+              "persist, or rollout.kv_policy=recompute")  # fmt: skip
+    _check_kv_capacity(run, errors)
+
+
+def _check_kv_capacity(run: RunConfig, errors: list[str]) -> None:
+    """The KV pool must hold one max-length request, or that request can never finish."""
+    e, r = run.engine, run.rollout
+    try:
+        prompt = task_of(run).max_prompt_tokens
+    except ValueError:
+        prompt = 1
+    need = prompt + r.max_new_tokens
+    _need(errors, need <= e.max_sequence_length,
+          f"engine.max_sequence_length={e.max_sequence_length} is below the longest request: "
+          f"{prompt} prompt tokens (recipe.task={run.recipe.task}) + rollout.max_new_tokens="
+          f"{r.max_new_tokens} = {need}")  # fmt: skip
+    if e.block_size < 1:
+        return
+    blocks = e.num_blocks
+    if blocks is None:
+        per_block = kv_bytes_per_block(run)
+        if per_block is None:
+            return  # model shape unknown (checked elsewhere)
+        blocks = e.kv_cache_memory_bytes // per_block
+        source = (
+            f"engine.kv_cache_memory_bytes={e.kv_cache_memory_bytes} ({per_block} bytes per block)"
+        )
+    else:
+        source = f"engine.num_blocks={blocks}"
+    _need(errors, blocks * e.block_size >= need,
+          f"KV pool too small for one max-length request: {source} x engine.block_size="
+          f"{e.block_size} = {blocks * e.block_size} tokens < {need} (prompt {prompt} + "
+          f"rollout.max_new_tokens {r.max_new_tokens}); raise engine.num_blocks or "
+          "engine.kv_cache_memory_bytes")  # fmt: skip

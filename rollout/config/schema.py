@@ -1,0 +1,166 @@
+"""The typed schema of a run: one dataclass per config group, composed into `RunConfig`.
+
+Registered in Hydra's ConfigStore as `base_config` (rollout/conf/config.yaml starts from it), so every
+YAML option and command-line override is type-checked by OmegaConf: a wrong type or an unknown
+enum value fails with the key and the allowed values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+GROUPS = ("model", "engine", "coordinator", "rollout", "trainer", "logger", "recipe")
+MODEL_PRESETS = ("tiny", "small", "medium")
+HF_DIR = "hf_dir"
+
+
+def _enum(name: str, *values: str) -> type[Enum]:
+    """str-valued Enum: OmegaConf checks names, and members compare equal to their strings."""
+    return Enum(name, {v: v for v in values}, type=str)  # type: ignore[return-value]
+
+
+DType = _enum("DType", "float32", "bfloat16", "float16")
+SuspendMode = _enum("SuspendMode", "persist", "offload", "recompute")
+RoutingPolicy = _enum(
+    "RoutingPolicy", "round_robin", "load_balanced", "first_prefix_block", "longest_prefix"
+)
+RolloutMode = _enum("RolloutMode", "colocated", "async")
+StalePolicy = _enum("StalePolicy", "drop", "regenerate")
+KVPolicy = _enum("KVPolicy", "recompute", "keep")
+Optimizer = _enum("Optimizer", "adamw")
+LossType = _enum("LossType", "grpo", "ppo_clip")
+LossAgg = _enum("LossAgg", "token_mean", "seq_mean")
+WandbMode = _enum("WandbMode", "offline", "online", "disabled")
+
+
+class ConfigError(ValueError):
+    """A run config that cannot work; the message lists each offending key and what is allowed."""
+
+
+# -- groups ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelCfg:
+    """`name`: a preset (tiny | small | medium, built from scratch) or hf_dir (load `path`)."""
+
+    name: str = "tiny"
+    path: str | None = None  # HF checkpoint folder (config.json + *.safetensors) for hf_dir
+    tokenizer: str | None = "byte"  # "byte" (ByteTokenizer) or a tokenizer path; None = path
+    vocab_size: int | None = None  # presets: None = the tokenizer's vocabulary
+    dtype: DType = DType.float32
+    device: str = "cpu"  # "cpu", "cuda", "cuda:N" or "auto" (cuda when available)
+
+
+@dataclass
+class EngineCfg:
+    """One inference engine (mirrors `rollout.engine.config.InferenceConfig`)."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # None = as many as kv_cache_memory_bytes holds
+    kv_cache_memory_bytes: int = 64 * 2**20
+    max_requests: int = 64
+    max_tokens_per_step: int = 1024
+    max_sequence_length: int = 256
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    suspend_mode: SuspendMode = SuspendMode.recompute
+    streaming_interval: int = 0
+
+
+@dataclass
+class CoordinatorCfg:
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = pick a free port (the bound address is reported)
+    policy: RoutingPolicy = RoutingPolicy.longest_prefix
+    prefix_alpha: float = 0.5  # score = alpha * prefix match + (1 - alpha) * load
+    prefix_table_size: int = 65536
+    token: str | None = None  # shared secret peers must present; None = no check
+    heartbeat_s: float = 1.0
+    engine_timeout_s: float = 10.0  # no heartbeat for this long = dead engine, re-dispatch
+    deterministic: bool = False
+    schedule_log: str | None = None  # JSON schedule log path
+
+
+@dataclass
+class RolloutCfg:
+    mode: RolloutMode = RolloutMode.colocated
+    dp: int = 1  # engines; 1 = one in-process engine, > 1 = engine processes
+    samples_per_prompt: int = 8  # GRPO group size
+    prompts_per_step: int = 8
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_staleness: int = 1  # weight updates a trained token may lag behind
+    stale_policy: StalePolicy = StalePolicy.drop
+    kv_policy: KVPolicy = KVPolicy.recompute
+    partial_rollouts: bool = True
+
+
+@dataclass
+class TrainerCfg:
+    optimizer: Optimizer = Optimizer.adamw
+    lr: float = 5e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    weight_decay: float = 0.0
+    grad_clip: float | None = 1.0
+    steps: int = 100
+    batch: int = 64  # samples per micro-batch (gradient accumulation over the step's samples)
+    ppo_epochs: int = 1  # optimizer passes over one rollout batch
+    loss: LossType = LossType.grpo
+    loss_agg: LossAgg = LossAgg.token_mean
+    normalize_adv_std: bool = True
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    tis_cap: float | None = None  # truncated importance sampling cap; None = off
+    kl_coef: float = 0.0
+    warmup_sft_steps: int = 0
+    warmup_sft_lr: float | None = None  # None = lr
+
+
+@dataclass
+class LoggerCfg:
+    mode: WandbMode = WandbMode.offline
+    project: str = "rollout"
+    dir: str | None = None  # None = the Hydra run folder
+    name: str | None = None
+    entity: str | None = None
+    log_every: int = 1
+    plot: bool = True  # reward/staleness PNG beside the run
+
+
+@dataclass
+class RecipeCfg:
+    name: str = "grpo_reverse"
+    task: str = "reverse"
+    task_kwargs: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    eval_every: int = 0  # steps between greedy evaluations; 0 = off
+    eval_prompts: int = 64
+
+
+@dataclass
+class RunConfig:
+    model: ModelCfg = field(default_factory=ModelCfg)
+    engine: EngineCfg = field(default_factory=EngineCfg)
+    coordinator: CoordinatorCfg = field(default_factory=CoordinatorCfg)
+    rollout: RolloutCfg = field(default_factory=RolloutCfg)
+    trainer: TrainerCfg = field(default_factory=TrainerCfg)
+    logger: LoggerCfg = field(default_factory=LoggerCfg)
+    recipe: RecipeCfg = field(default_factory=RecipeCfg)
+
+
+def register_configs() -> None:
+    """Store RunConfig as `base_config` (the schema rollout/conf/config.yaml starts from); idempotent.
+
+    One schema for the whole tree is enough: every group option merges into a typed node.
+    """
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="base_config", node=RunConfig)
+
+
+register_configs()

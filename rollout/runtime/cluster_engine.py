@@ -1,0 +1,146 @@
+"""`ClusterEngine`: the engine interface RolloutManager drives, over an `EngineCluster`."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from rollout.runtime.cluster import EngineCluster
+
+
+class _StepOutput:
+    __slots__ = ("finished", "partials")
+
+    def __init__(self, finished: list) -> None:
+        self.finished, self.partials = finished, []
+
+
+_WAKE = object()
+
+
+class ClusterEngine:
+    """`DynamicInferenceEngine`'s driving surface (add_request/step/abort/suspend/resume/
+    update_weights/stats) backed by an EngineCluster, so RolloutManager runs unchanged at dp=N.
+
+    `step()` blocks (up to `step_timeout_s`, or until `wake()`) for finished records instead of
+    computing: the engines run on their own. Records come back with the caller's request ids.
+    Per-token weight versions are stamped by the engines themselves.
+    """
+
+    model = None  # weights live in other processes; they validate every update themselves
+
+    def __init__(self, cluster: EngineCluster, step_timeout_s: float = 0.5) -> None:
+        import queue
+
+        self.cluster = cluster
+        self.step_timeout_s = step_timeout_s
+        self.weight_version = int(cluster.factory_kwargs.get("weight_version", 0))
+        self._results: queue.SimpleQueue = queue.SimpleQueue()
+        self._futures: dict[int, Any] = {}  # touched on the loop thread only
+        self._pending = 0
+        self.last_sync: dict[int, dict] = {}
+        self.client_request_ids: dict[int, int] = {}  # ours -> the client's (schedule logs)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(self, request_id: int, prompt: Any = None, sampling_params: Any = None) -> int:
+        self._pending += 1
+        self.cluster.loop.loop.call_soon_threadsafe(
+            self._submit, request_id, prompt, sampling_params
+        )
+        return request_id
+
+    def _submit(self, rid: int, prompt: Any, sp: Any) -> None:
+        try:
+            if isinstance(prompt, torch.Tensor):
+                prompt = prompt.tolist()
+            fut = self.cluster.client.add_request(prompt, sp)
+        except Exception as e:
+            self._results.put((rid, e))
+            return
+        self._futures[rid] = fut
+        if len(self.client_request_ids) >= 1 << 16:
+            self.client_request_ids.clear()
+        self.client_request_ids[rid] = fut.request_id
+        fut.add_done_callback(lambda f, rid=rid: self._done(rid, f))
+
+    def _done(self, rid: int, fut: Any) -> None:
+        self._futures.pop(rid, None)
+        if fut.cancelled():
+            self._results.put((rid, RuntimeError("request cancelled")))
+        else:
+            self._results.put((rid, fut.exception() or fut.result()))
+
+    def abort(self, request_id: int) -> None:
+        def run() -> None:
+            fut = self._futures.get(request_id)
+            if fut is not None and self.cluster.client is not None:
+                self.cluster.client.abort(fut)
+
+        with contextlib.suppress(RuntimeError):  # loop already stopped at shutdown
+            self.cluster.loop.loop.call_soon_threadsafe(run)
+
+    def has_unfinished_requests(self) -> bool:
+        return self._pending > 0
+
+    def wake(self) -> None:
+        """Make a blocked step() return now (the manager has a command to run)."""
+        self._results.put((None, _WAKE))
+
+    def step(self) -> _StepOutput:
+        import queue
+
+        from rollout.engine.worker import _failed_record
+
+        items = []
+        with contextlib.suppress(queue.Empty):
+            items.append(self._results.get(timeout=self.step_timeout_s))
+            while True:
+                items.append(self._results.get_nowait())
+        finished = []
+        for rid, res in items:
+            if res is _WAKE:
+                continue
+            self._pending -= 1
+            record = _failed_record(rid, res) if isinstance(res, BaseException) else res
+            for r in record.requests:
+                r.request_id = rid
+            finished.append(record)
+        return _StepOutput(finished)
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def suspend(self, mode: str = "recompute") -> int:
+        client = self.cluster.client
+        self.cluster.call(lambda: client.pause_engines())
+        infos = self.cluster.call(lambda: client.suspend_engines(mode))
+        return sum(int(i.get("bytes_freed", 0)) for i in infos.values())
+
+    def resume(self) -> None:
+        client = self.cluster.client
+        self.cluster.call(lambda: client.resume_engines())
+        self.cluster.call(lambda: client.unpause_engines())
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        self.last_sync = self.cluster.update_weights(state_dict, version)
+        self.weight_version = version
+
+    def stats(self) -> dict[str, float]:
+        s = self.cluster.stats()
+        out: dict[str, float] = {"engine/num_engines": len(s["engines"])}
+        for rank, e in s["engines"].items():
+            out[f"engine/rank{rank}/weight_version"] = e["weight_version"]
+            out[f"engine/rank{rank}/assigned"] = e["assigned"]
+        for k, v in s.get("counters", {}).items():
+            out[f"coordinator/{k}"] = v
+        for rank, info in self.last_sync.items():
+            for k in ("checksum", "seconds", "bytes"):
+                if isinstance(info.get(k), (int, float)):
+                    out[f"weight_sync/rank{rank}/{k}"] = info[k]
+        return out
+
+    def close(self) -> None:
+        self.cluster.close()
