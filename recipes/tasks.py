@@ -6,8 +6,11 @@
 Each task samples prompts from a caller-owned `random.Random` (deterministic under a seed),
 scores completions with partial credit, and builds a supervised warm-start batch. The reward is
 shaped so that GRPO has a gradient from the first step: a completion earns credit for every
-correct leading character, the full 1.0 only for the exact answer followed by a stop, and loses
-a little for running past the answer or not stopping.
+correct leading character, counted over the whole answer (stopping early leaves the missing
+characters uncredited, exactly like wrong ones), the full 1.0 only for the exact answer followed by
+a stop, and loses a little for anything past the answer or not stopping. Completions are scored
+with their special tokens spelled out (`<pad>`, `<bos>`): a token the model emitted is never
+invisible to the reward.
 """
 
 from __future__ import annotations
@@ -34,15 +37,16 @@ class Tokenizer(Protocol):
     pad_id: int
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]: ...
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 def score(completion: str, answer: str, stopped: bool = True) -> float:
     """Partial-credit reward in [0, 1].
 
     1.0 iff completion == answer and generation stopped. Otherwise PREFIX_WEIGHT * (correct
-    leading characters / len(answer)) minus OVERRUN_PENALTY if the completion runs past the
-    answer or never stopped, floored at 0.
+    leading characters / len(answer)): the denominator is the full answer, so characters a short
+    completion never produced count as wrong. Characters past the answer earn nothing and cost
+    OVERRUN_PENALTY, as does never stopping; floored at 0.
     """
     if completion == answer and stopped:
         return 1.0
@@ -84,13 +88,15 @@ class Task:
         self, completion_ids: list[int], example: TaskExample, tokenizer: Tokenizer
     ) -> float:
         """Reward straight from generated ids: text up to the first eos (any of `eos_ids`),
-        stopped iff one is present."""
+        stopped iff one is present. Special tokens are decoded as text (`<pad>`, ...), not
+        skipped: padding after the answer or a `<bos>` inside it must cost, not vanish."""
         ids = [int(i) for i in completion_ids]
         stops = set(getattr(tokenizer, "eos_ids", None) or [tokenizer.eos_id])
         end = next((k for k, i in enumerate(ids) if i in stops), None)
         if end is not None:
             ids = ids[:end]
-        return self.reward(tokenizer.decode(ids), example, stopped=end is not None)
+        text = tokenizer.decode(ids, skip_special_tokens=False)
+        return self.reward(text, example, stopped=end is not None)
 
     # -- token budgets ----------------------------------------------------------------------------
     @property

@@ -44,6 +44,20 @@ def test_snapshot_never_erases_local_reservations():
     assert r.load("b") == 10_000 and r.route(cost=1)[0] == "a"
 
 
+def test_released_work_leaves_the_snapshot_too():
+    """An engine that drained since its last heartbeat must not keep looking busy."""
+    r = Router("load_balanced")
+    r.add_engine("a", 0)
+    r.add_engine("b", 1)
+    r.route(cost=300)  # a
+    r.route(cost=100)  # b
+    r.publish_load("a", 320)  # heartbeat: a's 300 plus 20 the router never assigned
+    r.release("a", 300)  # the reply came back
+    assert r.load("a") == 20 and r.route(cost=1)[0] == "a"
+    r.release("a", 1000)
+    assert r.load("a") == 0
+
+
 def test_deterministic_mode_ignores_snapshots():
     r = Router("load_balanced", deterministic=True)
     r.add_engine("a", 0)

@@ -6,6 +6,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from recipes.tasks import AddTask, ReverseTask, TaskExample, get_task, score
 from rollout.tokenizers import ByteTokenizer
@@ -67,6 +69,50 @@ def test_reward_tokens_uses_eos(tok):
         task.reward_tokens([*ids, tok.eos_id, *tok.encode("77")], ex, tok) == 1.0
     )  # after eos ignored
     assert task.reward_tokens(ids, ex, tok) == pytest.approx(0.7)  # no stop
+
+
+def test_stopping_early_costs_every_missing_character():
+    """Partial credit is over the whole answer: a short completion is credited only for what it
+    produced, exactly as if the missing characters were wrong, and never reaches 1.0."""
+    answer = "43210"
+    for k in range(len(answer)):
+        short = score(answer[:k], answer)
+        assert short == pytest.approx(0.8 * k / len(answer)) and short < 1.0
+        assert short == score(answer[:k] + "9" * (len(answer) - k), answer)  # missing == wrong
+    assert score(answer[:4], answer) < score(answer, answer) == 1.0
+
+
+def test_nothing_past_the_answer_is_rewarded(tok):
+    task = ReverseTask()
+    ex = TaskExample("1234>", "4321")
+    exact = [*tok.encode("4321"), tok.eos_id]
+    assert task.reward_tokens(exact, ex, tok) == 1.0
+    for extra in (tok.encode("1"), [tok.pad_id], [tok.pad_id] * 3, [tok.bos_id], [0xE4, 0xB8]):
+        ids = [*tok.encode("4321"), *extra, tok.eos_id]
+        assert task.reward_tokens(ids, ex, tok) == pytest.approx(0.8 - 0.1), extra
+    # A special token inside the answer breaks the prefix like any wrong character.
+    ids = [*tok.encode("43"), tok.bos_id, *tok.encode("21"), tok.eos_id]
+    assert task.reward_tokens(ids, ex, tok) == pytest.approx(0.8 * 2 / 4 - 0.1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    answer=st.text("0123456789", min_size=1, max_size=6),
+    body=st.lists(st.integers(0, 258), max_size=10),
+    extra=st.lists(st.integers(0, 258).filter(lambda i: i != 257), min_size=1, max_size=4),
+)
+def test_reward_tokens_properties(answer, body, extra):
+    """1.0 iff exactly the answer then eos; appending tokens never raises the reward."""
+    tok = ByteTokenizer()
+    task, ex = ReverseTask(), TaskExample(answer[::-1] + ">", answer)
+    body = [i for i in body if i != tok.eos_id]
+    r = task.reward_tokens([*body, tok.eos_id], ex, tok)
+    assert 0.0 <= r <= 1.0
+    assert (r == 1.0) == (body == tok.encode(answer))
+    longer = task.reward_tokens([*body, *extra, tok.eos_id], ex, tok)
+    assert longer < 1.0
+    if len(tok.decode(body, skip_special_tokens=False)) >= len(answer):
+        assert longer <= r
 
 
 def test_sampling_is_deterministic_under_a_seed():

@@ -23,7 +23,7 @@ import msgpack
 import numpy as np
 import zmq
 
-from rollout.coordinator.routing import POLICIES, PREFIX_POLICIES, Router
+from rollout.coordinator.routing import POLICIES, PREFIX_POLICIES, Router, affinity_key
 from rollout.coordinator.state import CoordinatorState, InvalidTransition, next_state
 from rollout.gc_tuning import freeze_startup_heap
 from rollout.protocol import (
@@ -130,6 +130,7 @@ class Pending:
     hashes: list[int]
     packed_hashes: bytes
     stream: bool
+    affinity: int | None = None  # routing-only key when there is no block hash; never forwarded
     engine: bytes | None = None
     reserved: int = 0  # tokens reserved on the router for the current engine
     resume_tokens: bytearray = field(default_factory=bytearray)  # streamed so far (int32 LE)
@@ -466,6 +467,7 @@ class DataParallelInferenceCoordinator:
             hashes,
             pack_hashes(hashes) if hashes else b"",
             stream,
+            self._affinity(prompt, hashes),
         )
         self.requests[rid] = p
         client.requests[crid] = rid
@@ -499,6 +501,12 @@ class DataParallelInferenceCoordinator:
         tokens = np.frombuffer(packed_prompt, dtype="<i4")
         return compute_block_hashes_batched(tokens, self.block_size)
 
+    def _affinity(self, prompt: str | bytes, hashes: list[int]) -> int | None:
+        """Routing-only key that keeps a group together when its prompt has no block hash."""
+        if hashes or self.config.policy not in PREFIX_POLICIES:
+            return None
+        return affinity_key(prompt)
+
     def _dispatch(self, p: Pending, batch: dict[bytes, list] | None = None) -> None:
         """Route p to an engine (or park it until one registers, up to engine_wait_s).
         batch: collect the DISPATCH row per engine for the caller to send, instead of sending."""
@@ -511,7 +519,7 @@ class DataParallelInferenceCoordinator:
         p.deadline = None
         streamed = len(p.resume_tokens) // 4
         cost = p.prompt_len + streamed + max(0, p.num_tokens - streamed)
-        key, match = self.router.route(p.hashes, cost)
+        key, match = self.router.route(p.hashes, cost, p.affinity)
         engine = self.engines[key]
         p.engine, p.reserved = key, cost
         p.dispatches += 1

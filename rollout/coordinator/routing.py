@@ -4,21 +4,46 @@ Load is counted in outstanding TOKENS (prompt + remaining generation of everythi
 unfinished), not requests: one 8k-token prompt weighs more than ten short ones. The router keeps
 its own exact reservations and combines them with the engine's last published snapshot as
 max(local, published), so a stale snapshot can never erase work assigned since it was taken.
+Work released since the snapshot comes off it too, so an engine that has just drained does not
+look busy until its next heartbeat.
 
 Prefix-aware policies score engines with a*match + (1-a)*(1 - load/max_load) where match is the
 fraction of the request's chained block hashes the engine is believed to hold. The belief is a
 bounded LRU table {hash: {engine: recency}} that engines keep honest: they report evicted blocks,
 and a weight update clears it (old-weight KV must not attract new requests).
+
+A prompt with no block hash (shorter than one KV block, or sent as text) can still name its
+group: `affinity_key` is a routing-only key of the whole prompt, kept in a second bounded table
+and scored exactly like a full match (same alpha, same load spill). Its value never reaches an
+engine and is not a KV-cache key: the prefix cache cannot reuse a partial block, but a group kept
+on one engine still batches together there and replays deterministically.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 POLICIES = ("round_robin", "load_balanced", "first_prefix_block", "longest_prefix")
 PREFIX_POLICIES = ("first_prefix_block", "longest_prefix")
+_AFFINITY_PERSON = b"rollout-affinity"  # BLAKE2b personalization: its own hash domain
+_KEY_MODULUS = 2**63 - 1
+
+
+def affinity_key(prompt: str | bytes) -> int:
+    """Routing-only key of a whole prompt (packed int32 tokens or text) in [1, 2**63 - 1].
+
+    BLAKE2b with its own personalization, not the SHA-256 block chain of rollout.hashing, so it
+    can never be mistaken for (or forwarded as) a KV-cache block hash.
+    """
+    if isinstance(prompt, str):
+        tag, data = b"s", prompt.encode("utf-8", "surrogatepass")
+    else:
+        tag, data = b"t", bytes(prompt)
+    digest = hashlib.blake2b(tag + data, digest_size=8, person=_AFFINITY_PERSON).digest()
+    return int.from_bytes(digest, "little") % _KEY_MODULUS + 1
 
 
 @dataclass(slots=True)
@@ -29,6 +54,7 @@ class EngineSlot:
     local_tokens: int = 0  # exact: reserved by this router, minus progress and releases
     published_tokens: int = 0  # engine's own last snapshot (heartbeat)
     assigned: int = 0  # requests routed here (lifetime)
+    last_pick: int = 0  # router clock of the last request routed here: ties go to the idlest
 
     def load(self, use_published: bool) -> int:
         return max(self.local_tokens, self.published_tokens) if use_published else self.local_tokens
@@ -62,6 +88,8 @@ class Router:
         self._rr = 0
         self._clock = 0  # logical recency clock (deterministic, unlike wall time)
         self.table: OrderedDict[int, dict[Hashable, int]] = OrderedDict()
+        # Routing-only affinity keys of prompts without a block hash; never KV-cache keys.
+        self.affinity: OrderedDict[int, dict[Hashable, int]] = OrderedDict()
 
     # ---- membership and load ------------------------------------------------------------
 
@@ -86,10 +114,13 @@ class Router:
         self.slots[key].local_tokens += tokens
 
     def release(self, key: Hashable, tokens: int) -> None:
-        """Work finished, streamed or aborted on `key` (engines that left are ignored)."""
+        """Work finished, streamed or aborted on `key` (engines that left are ignored). It
+        leaves the engine's last snapshot as well: that counted it, or undercounts harmlessly
+        (local reservations still hold whatever the snapshot missed)."""
         slot = self.slots.get(key)
         if slot is not None:
             slot.local_tokens = max(0, slot.local_tokens - tokens)
+            slot.published_tokens = max(0, slot.published_tokens - tokens)
 
     def load(self, key: Hashable) -> int:
         return self.slots[key].load(self.use_published)
@@ -101,8 +132,10 @@ class Router:
             return hashes[:1]
         return hashes if self.policy == "longest_prefix" else ()
 
-    def _record(self, key: Hashable, hashes: Sequence[int]) -> None:
-        table = self.table
+    def _record(
+        self, key: Hashable, hashes: Sequence[int], table: OrderedDict | None = None
+    ) -> None:
+        table = self.table if table is None else table
         ts = self._clock
         for h in hashes:
             owners = table.pop(h, None)
@@ -121,8 +154,17 @@ class Router:
                 del self.table[h]
 
     def reset_hashes(self) -> None:
-        """Weight update: every cached block was computed with old weights."""
+        """Weight update: every cached block was computed with old weights.
+
+        Affinity keys go too: they only matter while a group is in flight, and a placement made
+        for the last step's load must not steer this step's groups."""
         self.table.clear()
+        self.affinity.clear()
+
+    def affinity_matches(self, key: int) -> dict[Hashable, tuple[float, int]]:
+        """{engine: (1.0, recency)} for live engines this prompt's affinity key was routed to."""
+        owners = self.affinity.get(key) or {}
+        return {k: (1.0, ts) for k, ts in owners.items() if k in self.slots}
 
     def matches(self, hashes: Sequence[int]) -> dict[Hashable, tuple[float, int]]:
         """{engine: (matched fraction, recency)} from the deepest hash each live engine holds."""
@@ -142,50 +184,57 @@ class Router:
 
     # ---- choice -------------------------------------------------------------------------
 
-    def route(self, hashes: Sequence[int] = (), cost: int = 0) -> tuple[Hashable, float]:
-        """Pick an engine, reserve `cost` tokens on it, remember its hashes; (key, match)."""
+    def route(
+        self, hashes: Sequence[int] = (), cost: int = 0, affinity: int | None = None
+    ) -> tuple[Hashable, float]:
+        """Pick an engine, reserve `cost` tokens on it, remember its hashes; (key, match).
+
+        `affinity` (see `affinity_key`) is used by prefix policies only when there is no block
+        hash: it then plays the part of a one-block prefix, with the same load spill."""
         if not self._ordered:
             raise LookupError("no live engine to route to")
         self._clock += 1
         hashes = self._policy_hashes(hashes)
+        if hashes or self.policy not in PREFIX_POLICIES:
+            affinity = None
         match = 0.0
         if self.policy == "round_robin":
             slot = self._ordered[self._rr % len(self._ordered)]
             self._rr += 1
-        elif self.policy == "load_balanced" or not hashes:
-            slot = self._least_loaded()
+        elif hashes:
+            slot, match = self._best_prefix(self.matches(hashes))
+        elif affinity is not None:
+            slot, match = self._best_prefix(self.affinity_matches(affinity))
         else:
-            slot, match = self._best_prefix(hashes)
+            slot = self._least_loaded()
         slot.local_tokens += cost
         slot.assigned += 1
+        slot.last_pick = self._clock
         if hashes:
             self._record(slot.key, hashes)
+        elif affinity is not None:
+            self._record(slot.key, (affinity,), self.affinity)
         return slot.key, match
 
     def _least_loaded(self) -> EngineSlot:
-        """argmin load; ties rotate so equal engines share work instead of rank 0 taking it."""
-        slots, n = self._ordered, len(self._ordered)
-        loads = [s.load(self.use_published) for s in slots]
-        lo = min(loads)
-        start = self._rr % n
-        self._rr += 1
-        for j in range(n):
-            i = (start + j) % n
-            if loads[i] == lo:
-                return slots[i]
-        raise AssertionError("unreachable")
+        """argmin load; ties go to the least recently picked engine, so equal engines share work
+        instead of rank 0 taking it."""
+        return min(self._ordered, key=lambda s: (s.load(self.use_published), s.last_pick))
 
-    def _best_prefix(self, hashes: Sequence[int]) -> tuple[EngineSlot, float]:
-        found = self.matches(hashes)
-        loads = [s.load(self.use_published) for s in self._ordered]
+    def _best_prefix(self, found: dict[Hashable, tuple[float, int]]) -> tuple[EngineSlot, float]:
+        """max a*match + (1-a)*(1 - load/max_load): stick to a match unless its load is too high."""
+        slots = self._ordered
+        loads = [s.load(self.use_published) for s in slots]
         top = max(loads) or 1
         a = self.alpha
         best_key = None
-        best: tuple[float, int, int] | None = None
-        for i, slot in enumerate(self._ordered):
+        best: tuple[float, int, int, int] | None = None
+        for i, slot in enumerate(slots):
             m, ts = found.get(slot.key, (0.0, 0))
             score = a * m + (1.0 - a) * (1.0 - loads[i] / top)
-            key = (score, ts, -i)  # higher score, then more recent, then lower rank
+            # Higher score, then more recent match, then least recently picked (idle engines
+            # share new groups in turn), then lower rank.
+            key = (score, ts, -slot.last_pick, -i)
             if best is None or key > best:
                 best, best_key = key, i
         slot = self._ordered[best_key]
