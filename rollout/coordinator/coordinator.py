@@ -16,139 +16,32 @@ import signal
 import time
 import traceback
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from functools import partial
 
-import msgpack
-import numpy as np
 import zmq
 
-from rollout.coordinator.routing import POLICIES, PREFIX_POLICIES, Router, affinity_key
+from rollout.coordinator.config import CoordinatorConfig
+from rollout.coordinator.peers import ClientPeer, EnginePeer, Pending, PendingControl
+from rollout.coordinator.requests import RequestHandlers
+from rollout.coordinator.routing import Router
 from rollout.coordinator.state import CoordinatorState, InvalidTransition, next_state
 from rollout.gc_tuning import freeze_startup_heap
 from rollout.protocol import (
     CONTROL_HEADERS,
-    MAX_FRAME_BYTES,
     Headers,
     ProtocolError,
     decode,
     encode,
-    pack_hashes,
     unpack_hashes,
 )
 
 log = logging.getLogger(__name__)
 
-_DISPATCH_BATCH = int(Headers.DISPATCH_BATCH)
-_MAX_DISPATCH_ROWS = 256  # rows per DISPATCH_BATCH frame (a 512-token prompt row is ~2 KiB)
-
-
-def _packb(obj: list) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
-
-
 SUSPEND_MODES = ("persist", "offload", "recompute")
 
 
-@dataclass
-class CoordinatorConfig:
-    """Everything the coordinator process needs; plain values so it crosses process boundaries."""
-
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: a free port
-    policy: str = "load_balanced"
-    alpha: float = 0.5  # prefix policies: weight of cache match vs load
-    block_size: int | None = None  # prefix hashing block size; None: the first engine's
-    max_hash_entries: int = 1 << 20
-    deterministic: bool = False
-    schedule_output_path: str | None = None
-    auth_token: str | None = None
-    heartbeat_s: float = 1.0
-    engine_timeout_s: float = 10.0  # silent this long -> engine presumed dead
-    client_timeout_s: float = 30.0  # silent this long -> client presumed gone
-    engine_wait_s: float = 30.0  # requests wait this long for an engine when none is live
-    max_redispatch: int = 3
-    max_frame_bytes: int = MAX_FRAME_BYTES
-
-    def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"alpha must be in [0, 1], got {self.alpha!r}")
-        if self.block_size is not None and self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size!r}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
-        for name in ("heartbeat_s", "engine_timeout_s", "client_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        if self.engine_wait_s < 0:
-            raise ValueError(f"engine_wait_s must be >= 0, got {self.engine_wait_s!r}")
-        if self.engine_timeout_s <= self.heartbeat_s:
-            raise ValueError(
-                f"engine_timeout_s ({self.engine_timeout_s}) must exceed heartbeat_s "
-                f"({self.heartbeat_s})"
-            )
-
-
-@dataclass(slots=True)
-class EnginePeer:
-    identity: bytes
-    engine_id: int
-    rank: int
-    capacity: int
-    weight_version: int
-    block_size: int
-    last_seen: float
-    load: dict = field(default_factory=dict)
-    requests: set[int] = field(default_factory=set)
-    stopped: bool = False
-    # Requests we aborted here and forgot, until the engine's final reply for each comes back:
-    # until then its heartbeats may predate the abort, so their load is not published.
-    aborting: set[int] = field(default_factory=set)
-
-
-@dataclass(slots=True)
-class ClientPeer:
-    identity: bytes
-    client_id: int
-    last_seen: float
-    requests: dict[int, int] = field(default_factory=dict)  # client request id -> server id
-
-
-@dataclass(slots=True)
-class Pending:
-    """A request between submission and final reply; enough to re-dispatch it elsewhere."""
-
-    request_id: int
-    client: bytes
-    client_request_id: int
-    prompt: str | bytes
-    sampling_params: bytes
-    num_tokens: int
-    prompt_len: int
-    hashes: list[int]
-    packed_hashes: bytes
-    stream: bool
-    affinity: int | None = None  # routing-only key when there is no block hash; never forwarded
-    engine: bytes | None = None
-    reserved: int = 0  # tokens reserved on the router for the current engine
-    resume_tokens: bytearray = field(default_factory=bytearray)  # streamed so far (int32 LE)
-    resume_log_probs: bytearray = field(default_factory=bytearray)  # (float64 LE)
-    dispatches: int = 0
-    deadline: float | None = None  # set while waiting for an engine
-
-
-@dataclass(slots=True)
-class PendingControl:
-    client: bytes
-    client_control_id: int
-    signal: Headers
-    waiting: set[bytes]
-    info: dict = field(default_factory=dict)
-
-
-class DataParallelInferenceCoordinator:
+class DataParallelInferenceCoordinator(RequestHandlers):
     """The ROUTER. `start()` runs the loop until SHUTDOWN; `stop()` releases the socket."""
 
     def __init__(self, config: CoordinatorConfig | None = None, **overrides):
@@ -427,214 +320,6 @@ class DataParallelInferenceCoordinator:
         if self._send_engine(engine, ack):
             for p in list(self.orphans.values()):
                 self._dispatch(p)
-
-    # ---- requests -----------------------------------------------------------------------
-
-    def _on_submit(
-        self, client: ClientPeer, fields: list, batch: dict[bytes, list] | None = None
-    ) -> None:
-        crid, prompt, sp, num_tokens, stream = fields
-        problem = None
-        if self.state is CoordinatorState.STOPPING:
-            problem = "coordinator is stopping: request refused"
-        elif crid in client.requests:
-            problem = f"duplicate client request id {crid}"
-        elif num_tokens < 1:
-            problem = f"num_tokens_to_generate must be >= 1, got {num_tokens}"
-        elif not prompt:
-            problem = "empty prompt"
-        elif type(prompt) is bytes and len(prompt) % 4:
-            problem = f"packed prompt length {len(prompt)} is not a multiple of 4"
-        if problem is not None:
-            self.counters["rejected"] += 1
-            self._error(client.identity, Headers.SUBMIT_REQUEST, crid, problem)
-            return
-        if type(prompt) is bytes:
-            prompt_len = len(prompt) // 4
-            hashes = self._hashes(prompt)
-        else:
-            prompt_len, hashes = len(prompt) // 4 + 1, []  # text: rough estimate, no hashing
-        self._next_request_id += 1
-        rid = self._next_request_id
-        p = Pending(
-            rid,
-            client.identity,
-            crid,
-            prompt,
-            sp,
-            num_tokens,
-            prompt_len,
-            hashes,
-            pack_hashes(hashes) if hashes else b"",
-            stream,
-            self._affinity(prompt, hashes),
-        )
-        self.requests[rid] = p
-        client.requests[crid] = rid
-        self.counters["requests"] += 1
-        self._dispatch(p, batch)
-
-    def _on_submit_batch(self, client: ClientPeer, fields: list) -> None:
-        """Many SUBMIT_REQUESTs in one frame (the client batches what it sends per loop turn):
-        each is routed on its own, then every engine gets its share in one DISPATCH_BATCH frame
-        (one socket send per engine instead of one per request: the send was a third of the
-        coordinator's time per request)."""
-        batch: dict[bytes, list] = {}
-        for row in fields[0]:
-            self._on_submit(client, row, batch)
-        for key, rows in batch.items():
-            engine = self.engines.get(key)
-            if engine is None:  # removed while routing the batch: its requests were re-routed
-                continue
-            for i in range(0, len(rows), _MAX_DISPATCH_ROWS):
-                # rows built here from validated fields: packed without re-checking the schema
-                frame = _packb([_DISPATCH_BATCH, rows[i : i + _MAX_DISPATCH_ROWS]])
-                if not self._send_engine(engine, frame):
-                    break  # the engine was removed and everything it held re-dispatched
-
-    def _hashes(self, packed_prompt: bytes) -> list[int]:
-        """Block hashes, computed once here and forwarded so the engine need not recompute."""
-        if self.config.policy not in PREFIX_POLICIES or self.block_size is None:
-            return []
-        from rollout.hashing import compute_block_hashes_batched  # torch: only prefix policies
-
-        tokens = np.frombuffer(packed_prompt, dtype="<i4")
-        return compute_block_hashes_batched(tokens, self.block_size)
-
-    def _affinity(self, prompt: str | bytes, hashes: list[int]) -> int | None:
-        """Routing-only key that keeps a group together when its prompt has no block hash."""
-        if hashes or self.config.policy not in PREFIX_POLICIES:
-            return None
-        return affinity_key(prompt)
-
-    def _dispatch(self, p: Pending, batch: dict[bytes, list] | None = None) -> None:
-        """Route p to an engine (or park it until one registers, up to engine_wait_s).
-        batch: collect the DISPATCH row per engine for the caller to send, instead of sending."""
-        if not self.router.slots:
-            if p.deadline is None:
-                p.deadline = time.monotonic() + self.config.engine_wait_s
-            self.orphans[p.request_id] = p
-            return
-        self.orphans.pop(p.request_id, None)
-        p.deadline = None
-        streamed = len(p.resume_tokens) // 4
-        cost = p.prompt_len + streamed + max(0, p.num_tokens - streamed)
-        key, match = self.router.route(p.hashes, cost, p.affinity)
-        engine = self.engines[key]
-        p.engine, p.reserved = key, cost
-        p.dispatches += 1
-        engine.requests.add(p.request_id)
-        if self.config.schedule_output_path and len(self.schedule) < 1_000_000:
-            self.schedule.append(
-                {
-                    "request_id": p.request_id,
-                    "client_request_id": p.client_request_id,
-                    "rank": engine.rank,
-                    "match": match,
-                    "num_hashes": len(p.hashes),
-                    "dispatch": p.dispatches,
-                }
-            )
-        hashes = p.packed_hashes if engine.block_size == self.block_size else b""
-        row = [
-            p.request_id,
-            p.prompt,
-            p.sampling_params,
-            hashes,
-            bytes(p.resume_tokens),
-            bytes(p.resume_log_probs),
-            p.stream,
-        ]
-        if batch is not None:
-            batch.setdefault(key, []).append(row)
-            return
-        frame = encode(Headers.DISPATCH_REQUEST, *row)
-        self._send_engine(engine, frame)  # on failure the engine is removed and p re-dispatched
-
-    def _on_abort(self, client: ClientPeer, fields: list) -> None:
-        crid = fields[0]
-        rid = client.requests.get(crid)
-        p = self.requests.get(rid) if rid is not None else None
-        if p is None:
-            self._error(client.identity, Headers.ABORT_REQUEST, crid, f"unknown request id {crid}")
-            return
-        self.counters["aborts"] += 1
-        if p.engine is not None:
-            self._send_engine(self.engines[p.engine], encode(Headers.ABORT_REQUEST, rid))
-        else:  # never reached an engine: fail it here
-            self._fail(p, "aborted before it reached an engine", Headers.ABORT_REQUEST)
-
-    def _abort_on(self, engine: EnginePeer, rid: int) -> None:
-        """Abort rid on an engine after forgetting it here (its reservation is released by the
-        caller). The engine's last published load still counts rid, and a heartbeat already in
-        flight may too: drop the snapshot and ignore heartbeats until the engine's final reply
-        for rid shows it has processed the abort. Routing falls back to local reservations."""
-        engine.requests.discard(rid)
-        engine.aborting.add(rid)
-        self.router.publish_load(engine.identity, 0)
-        self._send_engine(engine, encode(Headers.ABORT_REQUEST, rid))
-
-    def _on_reply(self, engine: EnginePeer, fields: list) -> None:
-        out: dict[bytes, list] = {}
-        aborting = engine.aborting
-        for rid, record in fields[0]:
-            p = self.requests.pop(rid, None)
-            engine.requests.discard(rid)
-            if aborting:
-                aborting.discard(rid)
-            if p is None:
-                self.counters["late_replies"] += 1
-                continue
-            self.orphans.pop(rid, None)
-            if p.engine is not None and p.engine != engine.identity:
-                # answered by an engine we had given up on: stop the copy we re-dispatched
-                other = self.engines.get(p.engine)
-                if other is not None:
-                    self._abort_on(other, rid)
-            self.router.release(p.engine, p.reserved)
-            client = self.clients.get(p.client)
-            if client is not None:
-                client.requests.pop(p.client_request_id, None)
-                out.setdefault(p.client, []).append([p.client_request_id, record])
-        self.counters["replies"] += len(fields[0])
-        for identity, rows in out.items():
-            self._send_client(identity, encode(Headers.REPLY, rows))
-
-    def _on_partial(self, engine: EnginePeer, fields: list) -> None:
-        out: dict[bytes, list] = {}
-        for rid, tokens, log_probs, extra in fields[0]:
-            p = self.requests.get(rid)
-            if p is None or p.engine != engine.identity:
-                self.counters["late_partials"] += 1
-                continue
-            if len(tokens) % 4 or len(log_probs) % 8:
-                self.counters["malformed"] += 1
-                continue
-            n = len(tokens) // 4
-            p.resume_tokens += tokens
-            p.resume_log_probs += log_probs
-            p.reserved -= n
-            self.router.release(engine.identity, n)
-            if p.stream and p.client in self.clients:
-                out.setdefault(p.client, []).append([p.client_request_id, tokens, log_probs, extra])
-        self.counters["partials"] += len(fields[0])
-        for identity, rows in out.items():
-            self._send_client(identity, encode(Headers.REPLY_PARTIAL, rows))
-
-    def _fail(self, p: Pending, message: str, ref_header: Headers = Headers.SUBMIT_REQUEST) -> None:
-        """Give up on p: drop it from every map and tell its client why."""
-        self.requests.pop(p.request_id, None)
-        self.orphans.pop(p.request_id, None)
-        if p.engine is not None:
-            self.router.release(p.engine, p.reserved)
-            engine = self.engines.get(p.engine)
-            if engine is not None:
-                engine.requests.discard(p.request_id)
-        self.counters["failed"] += 1
-        client = self.clients.get(p.client)
-        if client is not None:
-            client.requests.pop(p.client_request_id, None)
-            self._error(p.client, ref_header, p.client_request_id, message)
 
     # ---- control ------------------------------------------------------------------------
 

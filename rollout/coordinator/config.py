@@ -1,0 +1,49 @@
+"""CoordinatorConfig: the coordinator's settings, validated when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rollout.coordinator.routing import POLICIES
+from rollout.protocol import MAX_FRAME_BYTES
+
+
+@dataclass
+class CoordinatorConfig:
+    """Everything the coordinator process needs; plain values so it crosses process boundaries."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: a free port
+    policy: str = "load_balanced"
+    alpha: float = 0.5  # prefix policies: weight of cache match vs load
+    block_size: int | None = None  # prefix hashing block size; None: the first engine's
+    max_hash_entries: int = 1 << 20
+    deterministic: bool = False
+    schedule_output_path: str | None = None
+    auth_token: str | None = None
+    heartbeat_s: float = 1.0
+    engine_timeout_s: float = 10.0  # silent this long -> engine presumed dead
+    client_timeout_s: float = 30.0  # silent this long -> client presumed gone
+    engine_wait_s: float = 30.0  # requests wait this long for an engine when none is live
+    max_redispatch: int = 3
+    max_frame_bytes: int = MAX_FRAME_BYTES
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {self.alpha!r}")
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
+        for name in ("heartbeat_s", "engine_timeout_s", "client_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.engine_wait_s < 0:
+            raise ValueError(f"engine_wait_s must be >= 0, got {self.engine_wait_s!r}")
+        if self.engine_timeout_s <= self.heartbeat_s:
+            raise ValueError(
+                f"engine_timeout_s ({self.engine_timeout_s}) must exceed heartbeat_s "
+                f"({self.heartbeat_s})"
+            )
