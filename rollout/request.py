@@ -9,9 +9,6 @@ cross the wire as msgpack (tensors as raw bytes, token/log-prob lists packed), n
 from __future__ import annotations
 
 import dataclasses
-import enum
-import math
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +17,21 @@ import msgpack
 import numpy as np
 import torch
 
+from rollout.codecs import (
+    decode_top_n,
+    deserialize_tensor,
+    encode_top_n,
+    number_list_codec,
+    serialize_tensor,
+    values_equal,
+)
+from rollout.events import (
+    ERROR_EVENT_TYPES,
+    STATUS_BY_NAME,
+    DynamicInferenceEvent,
+    DynamicInferenceEventType,
+    Status,
+)
 from rollout.hashing import compute_block_hashes_batched
 from rollout.sampling import SamplingParams
 
@@ -36,205 +48,28 @@ __all__ = [
 ]
 
 
-class Status(enum.Enum):
-    WAITING_IN_QUEUE = 1
-    ACTIVE_AND_GENERATING_TOKENS = 2
-    ACTIVE_BUT_NOT_GENERATING_TOKENS = 3
-    COMPLETED = 4
-    FAILED = 5
-
-
-class DynamicInferenceEventType(enum.Enum):
-    ADD_ENGINE = enum.auto()
-    ADD_CONTEXT = enum.auto()
-    GENERATED_TOKEN = enum.auto()
-    PAUSE = enum.auto()
-    EVICT = enum.auto()
-    FINISH = enum.auto()
-    FAIL = enum.auto()
-    ERROR_TRANSIENT = enum.auto()
-    ERROR_NONTRANSIENT = enum.auto()
-
-
-_ERROR_TYPES = (
-    DynamicInferenceEventType.ERROR_TRANSIENT,
-    DynamicInferenceEventType.ERROR_NONTRANSIENT,
-)
-_ERROR_KEYS = {"type", "message", "is_transient"}
-_STATUS_BY_NAME = {s.name: s for s in Status}
-_EVENT_BY_NAME = {t.name: t for t in DynamicInferenceEventType}
-
-
-# ---------------------------------------------------------------- wire codecs
-
-
-_SCALARS = frozenset({type(None), bool, float, str, bytes})
-
-
-def _check_native(value: Any, where: str) -> None:
-    """Reject anything msgpack would not round-trip exactly (tuples, tensors, objects, huge ints)."""
-    if type(value) in _SCALARS or isinstance(value, (bool, float, str, bytes)):
-        return
-    if isinstance(value, int):
-        if not -(2**63) <= value < 2**64:
-            raise ValueError(f"{where}: int {value} does not fit in 64 bits")
-    elif isinstance(value, list):
-        for v in value:
-            _check_native(v, where)
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            if isinstance(k, bool) or not isinstance(k, (str, int)):
-                raise ValueError(f"{where}: dict keys must be str or int, got {k!r}")
-            _check_native(v, where)
-    else:
-        raise ValueError(f"{where}: {type(value).__name__} is not msgpack-native ({value!r})")
-
-
-def serialize_tensor(t: torch.Tensor) -> dict[str, Any]:
-    """{dtype, shape, data}: raw little-endian bytes, exact for every dtype (bf16 included)."""
-    t = t.detach().to("cpu").contiguous()
-    data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "data": data}
-
-
-_DTYPES: dict[str, torch.dtype] = {}  # wire name -> dtype, filled on first sight
-
-
-def _dtype(name: Any) -> torch.dtype:
-    dtype = _DTYPES.get(name) if type(name) is str else None
-    if dtype is None:
-        dtype = getattr(torch, str(name), None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"unknown tensor dtype {name!r}")
-        _DTYPES[str(name)] = dtype
-    return dtype
-
-
-def deserialize_tensor(obj: dict[str, Any]) -> torch.Tensor:
-    """A fresh, writable CPU tensor (one copy of the bytes; the wire buffer is not aliased)."""
-    dtype = _dtype(obj["dtype"])
-    shape, data = obj["shape"], obj["data"]
-    if not (type(shape) is list and len(shape) == 1 and type(shape[0]) is int):  # not plain 1-D
-        shape = [int(s) for s in shape]
-    if len(data) != math.prod(shape) * dtype.itemsize:
-        raise ValueError(f"tensor data has {len(data)} bytes, shape {shape} of {dtype} needs more")
-    if not data:
-        return torch.empty(shape, dtype=dtype)
-    t = torch.frombuffer(bytearray(data), dtype=dtype)
-    return t if len(shape) == 1 else t.reshape(shape)
-
-
-_NATIVE_LE = sys.byteorder == "little"
-
-
-def _packer(np_dtype: str, fmt: str, py: type):
-    def enc(xs: list) -> bytes:
-        return np.asarray(xs, dtype=np_dtype).tobytes() if len(xs) else b""
-
-    def dec(b: Any) -> list:
-        if isinstance(b, (bytes, bytearray)):
-            if _NATIVE_LE:  # memoryview.cast is native-endian and ~3x cheaper than numpy here
-                return memoryview(b).cast(fmt).tolist()
-            return np.frombuffer(b, dtype=np_dtype).tolist()
-        return [py(x) for x in b]  # hand-written dicts may carry plain lists
-
-    return enc, dec
-
-
-def _topn_enc(xs: list[dict[int, float]]) -> list:
-    return [[list(d.keys()), list(d.values())] for d in xs]
-
-
-def _topn_dec(xs: list) -> list[dict[int, float]]:
-    if type(xs) is list and not xs:
-        return []
-    out = []
-    for d in xs:
-        pairs = d.items() if isinstance(d, dict) else zip(d[0], d[1], strict=True)
-        out.append({int(k): float(v) for k, v in pairs})
-    return out
-
-
-_I64, _F64 = _packer("<i8", "q", int), _packer("<f8", "d", float)
+_I64, _F64 = number_list_codec("<i8", "q", int), number_list_codec("<f8", "d", float)
 _TENSOR = (serialize_tensor, deserialize_tensor)
 _CODECS: dict[str, tuple] = {
     "prompt_tokens": _TENSOR,
     "policy_staleness": _TENSOR,
     "kv_cache_staleness": _TENSOR,
     "sampling_params": (SamplingParams.serialize, SamplingParams.deserialize),
-    "status": (lambda s: s.name, _STATUS_BY_NAME.__getitem__),
+    "status": (lambda s: s.name, STATUS_BY_NAME.__getitem__),
     "generated_tokens": _I64,
     "generated_weight_versions": _I64,
     "precomputed_block_hashes": _I64,
     "generated_log_probs": _F64,
     "prompt_log_probs": _F64,
     "tpot": _F64,
-    "generated_top_n_logprobs": (_topn_enc, _topn_dec),
-    "prompt_top_n_logprobs": (_topn_enc, _topn_dec),
+    "generated_top_n_logprobs": (encode_top_n, decode_top_n),
+    "prompt_top_n_logprobs": (encode_top_n, decode_top_n),
     "events": (
         lambda evs: [e.serialize() for e in evs],
         lambda evs: [] if evs == [] else [DynamicInferenceEvent.deserialize(e) for e in evs],
     ),
 }
 _DECODERS = tuple((name, codec[1]) for name, codec in _CODECS.items())
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(a.cpu(), b.cpu())
-        )
-    return a == b
-
-
-# ---------------------------------------------------------------- events
-
-
-@dataclass
-class DynamicInferenceEvent:
-    """A timestamped lifecycle event; the payload must be msgpack-native so it round-trips exactly."""
-
-    type: DynamicInferenceEventType
-    timestamp: float | None = None
-    payload: Any = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.type, DynamicInferenceEventType):
-            raise ValueError(f"event type must be a DynamicInferenceEventType, got {self.type!r}")
-        if self.timestamp is None:
-            self.timestamp = time.time()
-        self.timestamp = float(self.timestamp)
-        _check_native(self.payload, f"{self.type.name} event payload")
-        if self.type in _ERROR_TYPES and (
-            not isinstance(self.payload, dict) or not self.payload.keys() >= _ERROR_KEYS
-        ):
-            raise ValueError(f"{self.type.name} payload needs keys {sorted(_ERROR_KEYS)}")
-
-    def __str__(self) -> str:
-        return f"[{self.timestamp:.6f}] {self.type.name}" + (
-            "" if self.payload is None else f" {self.payload}"
-        )
-
-    def serialize(self) -> dict[str, Any]:
-        return {"type": self.type.name, "timestamp": self.timestamp, "payload": self.payload}
-
-    @classmethod
-    def deserialize(cls, obj: dict[str, Any]) -> DynamicInferenceEvent:
-        try:
-            kind = _EVENT_BY_NAME[obj["type"]]
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"bad event {obj!r}: {e}") from None
-        ts, payload = obj.get("timestamp"), obj.get("payload")
-        if type(ts) is not float or kind in _ERROR_TYPES:
-            return cls(kind, ts, payload)  # the general path: validates and normalises
-        _check_native(payload, f"{kind.name} event payload")
-        event = object.__new__(cls)  # what __init__ would set, without the dataclass overhead
-        event.type, event.timestamp, event.payload = kind, ts, payload
-        return event
 
 
 # ---------------------------------------------------------------- requests
@@ -283,7 +118,8 @@ class InferenceRequest:
         if type(other) is not type(self):
             return NotImplemented
         return all(
-            _equal(getattr(self, f.name), getattr(other, f.name)) for f in dataclasses.fields(self)
+            values_equal(getattr(self, f.name), getattr(other, f.name))
+            for f in dataclasses.fields(self)
         )
 
     __hash__ = None  # mutable
@@ -529,7 +365,7 @@ class DynamicInferenceRequest(InferenceRequest):
 
     def _add_error(self, error: BaseException, transient: bool) -> None:
         payload = {"type": type(error).__name__, "message": str(error), "is_transient": transient}
-        kind = _ERROR_TYPES[0] if transient else _ERROR_TYPES[1]
+        kind = ERROR_EVENT_TYPES[0] if transient else ERROR_EVENT_TYPES[1]
         self.add_event(kind, payload)
 
     def add_event_error_transient(self, error: BaseException) -> None:
