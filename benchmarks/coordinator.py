@@ -9,8 +9,9 @@ socket drain the way a real engine batches per step):
   rollout        our coordinator through the asyncio InferenceClient (records decoded): the client path
   megatron       Megatron-Core's DataParallelInferenceCoordinator through its InferenceClient
 
-Every system gets the same number of requests and the same in-flight window; latency is one
-request at a time (p50/p99 of the round trip). Workloads: 512-token prompts / 128 generated
+Every system gets the same number of requests and the same in-flight window. Latency is one
+request at a time (p50/p99 of the round trip) with every system up at once, taking turns request
+by request, so all of them see the same machine state. Workloads: 512-token prompts / 128 generated
 tokens, and 16/16. `--trials` runs everything that many times, interleaved, and reports the median
 of each metric (the machine is shared; the best throughput and every trial are in the JSON). Writes
 benchmarks/results/coordinator.json and coordinator.png.
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -244,9 +246,7 @@ def _bare_latency(sock: zmq.Socket, frames: list[bytes], count=lambda m: 1) -> l
     return out
 
 
-async def _client_drive(
-    add, n: int, window: int, n_lat: int, gen: int
-) -> tuple[float, list[float]]:
+async def _client_drive(add, n: int, window: int, gen: int) -> float:
     """The same driver for both clients: `add()` submits one request and returns its Future.
     Like a streaming consumer, each record is checked (its generated length) and dropped when
     it completes, so no client pays for the harness hoarding records."""
@@ -265,13 +265,7 @@ async def _client_drive(
             consume(await inflight.popleft())
     while inflight:
         consume(await inflight.popleft())
-    rps = n / (time.perf_counter() - t0)
-    lat = []
-    for _ in range(n_lat):
-        t1 = time.perf_counter()
-        consume(await add())
-        lat.append(time.perf_counter() - t1)
-    return rps, lat
+    return n / (time.perf_counter() - t0)
 
 
 def _start_engines(target, addr: str, n: int, prompt_len: int, gen: int) -> list[mp.Process]:
@@ -284,7 +278,19 @@ def _start_engines(target, addr: str, n: int, prompt_len: int, gen: int) -> list
     return procs
 
 
-def bench_raw(name: str, n: int, window: int, n_lat: int, n_engines: int) -> dict:
+def _count_reply_rows(msg: bytes) -> int:
+    from rollout.protocol import Headers, decode
+
+    h, fields = decode(msg)
+    return len(fields[0]) if h is Headers.REPLY else 0
+
+
+# ---- systems: each a context manager that starts a server + instant engines -----------------
+
+
+@contextlib.contextmanager
+def raw_system(name: str, n_engines: int):
+    """Yields (DEALER socket, payload) of a raw forwarder with its engines registered."""
     prompt_len, gen = WORKLOADS[name]
     from rollout.protocol import pack_obj, pack_tokens
     from rollout.sampling import SamplingParams
@@ -301,9 +307,7 @@ def bench_raw(name: str, n: int, window: int, n_lat: int, n_engines: int) -> dic
     parent.recv()  # every engine registered
     ctx, s = _dealer(addr)
     try:
-        _bare_latency(s, [payload] * 50)
-        rps = _bare_throughput(s, [payload] * n, window, lambda m: 1)
-        return _summary(rps, _bare_latency(s, [payload] * n_lat))
+        yield s, payload
     finally:
         s.close(0)
         ctx.term()
@@ -311,72 +315,63 @@ def bench_raw(name: str, n: int, window: int, n_lat: int, n_engines: int) -> dic
             p.kill()
 
 
-def _count_reply_rows(msg: bytes) -> int:
-    from rollout.protocol import Headers, decode
+class RolloutSystem:
+    """Our coordinator + instant engines, and a bare DEALER client (handshake done)."""
 
-    h, fields = decode(msg)
-    return len(fields[0]) if h is Headers.REPLY else 0
+    def __init__(self, name: str, n_engines: int):
+        from rollout.coordinator import DataParallelInferenceCoordinator
+        from rollout.protocol import pack_obj, pack_tokens
+        from rollout.sampling import SamplingParams
 
+        prompt_len, self.gen = WORKLOADS[name]
+        self.prompt = _prompt(prompt_len)
+        self.sp = SamplingParams(num_tokens_to_generate=self.gen)
+        self._wire = (pack_tokens(self.prompt), pack_obj(self.sp.serialize()))
+        self.proc, self.addr = DataParallelInferenceCoordinator.spawn(
+            heartbeat_s=1.0, engine_timeout_s=30.0
+        )
+        self.engines = _start_engines(rollout_engine, self.addr, n_engines, prompt_len, self.gen)
+        self.ctx, self.sock = _dealer(self.addr)
+        self._next_id = 0
+        self._handshake(n_engines)
 
-def bench_rollout(name: str, n: int, window: int, n_lat: int, n_engines: int) -> dict:
-    from rollout.client import InferenceClient
-    from rollout.coordinator import DataParallelInferenceCoordinator
-    from rollout.protocol import Headers, decode, encode, pack_obj, pack_tokens
-    from rollout.sampling import SamplingParams
+    def _handshake(self, n_engines: int) -> None:
+        from rollout.protocol import Headers, decode, encode
 
-    prompt_len, gen = WORKLOADS[name]
-    prompt_list = _prompt(prompt_len)
-    sp_obj = SamplingParams(num_tokens_to_generate=gen)
-    sp, prompt = pack_obj(sp_obj.serialize()), pack_tokens(prompt_list)
-    proc, addr = DataParallelInferenceCoordinator.spawn(heartbeat_s=1.0, engine_timeout_s=30.0)
-    engs = _start_engines(rollout_engine, addr, n_engines, prompt_len, gen)
-    out: dict = {}
-    try:
-        ctx, s = _dealer(addr)
-        s.send(encode(Headers.CONNECT, None))
-        decode(s.recv())
+        self.sock.send(encode(Headers.CONNECT, None))
+        decode(self.sock.recv())
         while True:  # wait for the engines to register
-            s.send(encode(Headers.STATS, 0))
-            h, f = decode(s.recv())
+            self.sock.send(encode(Headers.STATS, 0))
+            h, f = decode(self.sock.recv())
             if h is Headers.STATS_REPLY and len(f[1]["engines"]) == n_engines:
-                break
+                return
 
-        def frames(start: int, k: int) -> list[bytes]:
-            return [
-                encode(Headers.SUBMIT_REQUEST, start + i, prompt, sp, gen, False) for i in range(k)
-            ]
+    def frames(self, k: int) -> list[bytes]:
+        """k SUBMIT_REQUEST frames with fresh client request ids."""
+        from rollout.protocol import Headers, encode
 
-        _bare_latency(s, frames(1, 50), _count_reply_rows)
-        rps = _bare_throughput(s, frames(1000, n), window, _count_reply_rows)
-        lat = _bare_latency(s, frames(10**8, n_lat), _count_reply_rows)
-        out["rollout_bare"] = _summary(rps, lat)
-        s.send(encode(Headers.DISCONNECT))
-        s.close(100)
-        ctx.term()
+        first, self._next_id = self._next_id, self._next_id + k
+        prompt, sp = self._wire
+        return [
+            encode(Headers.SUBMIT_REQUEST, first + i, prompt, sp, self.gen, False) for i in range(k)
+        ]
 
-        async def run() -> tuple[float, list[float]]:
-            client = await InferenceClient(addr).start()
-            try:
-                return await _client_drive(
-                    lambda: client.add_request(prompt_list, sp_obj), n, window, n_lat, gen
-                )
-            finally:
-                client.stop()
+    def close(self) -> None:
+        from rollout.protocol import Headers, encode
 
-        out["rollout"] = _summary(*asyncio.run(run()))
-        return out
-    finally:
-        for p in (*engs, proc):
+        self.sock.send(encode(Headers.DISCONNECT))
+        self.sock.close(100)
+        self.ctx.term()
+        for p in (*self.engines, self.proc):
             p.kill()
 
 
-def bench_megatron(name: str, n: int, window: int, n_lat: int, n_engines: int) -> dict:
-    """Megatron-Core's coordinator + InferenceClient (run inside an interpreter that has it)."""
+@contextlib.contextmanager
+def megatron_system(name: str, n_engines: int):
+    """Yields the address of Megatron-Core's coordinator with its instant engines registered."""
     from megatron.core.inference.data_parallel_inference_coordinator import (
         DataParallelInferenceCoordinator as MCoordinator,
     )
-    from megatron.core.inference.inference_client import InferenceClient as MClient
-    from megatron.core.inference.sampling_params import SamplingParams as MSamplingParams
 
     prompt_len, gen = WORKLOADS[name]
     spawn = mp.get_context("spawn")
@@ -393,22 +388,130 @@ def bench_megatron(name: str, n: int, window: int, n_lat: int, n_engines: int) -
     try:
         if not ready.wait(60):
             raise TimeoutError("Megatron coordinator did not see its engines register")
-        prompt, sp = _prompt(prompt_len), MSamplingParams(num_tokens_to_generate=gen)
-
-        async def run() -> tuple[float, list[float]]:
-            client = MClient(addr)
-            await client.start()
-            try:
-                return await _client_drive(
-                    lambda: client.add_request(prompt, sp), n, window, n_lat, gen
-                )
-            finally:
-                client.stop()
-
-        return _summary(*asyncio.run(run()))
+        yield addr
     finally:
         for p in (*engs, coord):
             p.kill()
+
+
+def _megatron_request(name: str):
+    from megatron.core.inference.sampling_params import SamplingParams as MSamplingParams
+
+    prompt_len, gen = WORKLOADS[name]
+    return _prompt(prompt_len), MSamplingParams(num_tokens_to_generate=gen)
+
+
+# ---- throughput: one system at a time ----------------------------------------------------------
+
+
+def bench_raw(name: str, n: int, window: int, n_engines: int) -> float:
+    with raw_system(name, n_engines) as (s, payload):
+        _bare_latency(s, [payload] * 50)
+        return _bare_throughput(s, [payload] * n, window, lambda m: 1)
+
+
+def bench_rollout(name: str, n: int, window: int, n_engines: int) -> dict[str, float]:
+    """The coordinator alone (bare DEALER client), then through the asyncio InferenceClient."""
+    from rollout.client import InferenceClient
+
+    system = RolloutSystem(name, n_engines)
+    try:
+        _bare_latency(system.sock, system.frames(50), _count_reply_rows)
+        bare = _bare_throughput(system.sock, system.frames(n), window, _count_reply_rows)
+
+        async def run() -> float:
+            client = await InferenceClient(system.addr).start()
+            try:
+                add = lambda: client.add_request(system.prompt, system.sp)  # noqa: E731
+                return await _client_drive(add, n, window, system.gen)
+            finally:
+                client.stop()
+
+        return {"rollout_bare": bare, "rollout": asyncio.run(run())}
+    finally:
+        system.close()
+
+
+def bench_megatron(name: str, n: int, window: int, n_engines: int) -> float:
+    """Megatron-Core's coordinator + InferenceClient (run inside an interpreter that has it)."""
+    from megatron.core.inference.inference_client import InferenceClient as MClient
+
+    prompt, sp = _megatron_request(name)
+    with megatron_system(name, n_engines) as addr:
+
+        async def run() -> float:
+            client = MClient(addr)
+            await client.start()
+            try:
+                add = lambda: client.add_request(prompt, sp)  # noqa: E731
+                return await _client_drive(add, n, window, WORKLOADS[name][1])
+            finally:
+                client.stop()
+
+        return asyncio.run(run())
+
+
+# ---- latency: every system up at once, one request each in turn ------------------------------
+
+
+def bench_latency(name: str, n_lat: int, n_engines: int, mega: bool) -> dict[str, list[float]]:
+    """Round trips of one request at a time, the systems taking turns request by request, so
+    each sees the same machine state (idle-CPU wake-ups on a VM swing a round trip by 4x
+    between phases a few seconds apart; interleaving cancels that out of the ratios)."""
+    from rollout.client import InferenceClient
+
+    with contextlib.ExitStack() as stack:
+        raw_sock, payload = stack.enter_context(raw_system(name, n_engines))
+        system = RolloutSystem(name, n_engines)
+        stack.callback(system.close)
+        maddr = stack.enter_context(megatron_system(name, n_engines)) if mega else None
+
+        async def run() -> dict[str, list[float]]:
+            client = await InferenceClient(system.addr).start()
+            takers = {
+                "raw": lambda: _bare_latency(raw_sock, [payload])[0],
+                "rollout_bare": lambda: _bare_latency(
+                    system.sock, system.frames(1), _count_reply_rows
+                )[0],
+                "rollout": _async_round_trip(lambda: client.add_request(system.prompt, system.sp)),
+            }
+            mclient = None
+            if maddr is not None:
+                from megatron.core.inference.inference_client import InferenceClient as MClient
+
+                mclient = MClient(maddr)
+                await mclient.start()
+                prompt, sp = _megatron_request(name)
+                takers["megatron"] = _async_round_trip(lambda: mclient.add_request(prompt, sp))
+            try:
+                out: dict[str, list[float]] = {k: [] for k in takers}
+                order = list(takers)
+                for i in range(n_lat + 20):  # the first 20 rounds warm up
+                    for k in order[i % len(order) :] + order[: i % len(order)]:
+                        dt = takers[k]()
+                        if asyncio.iscoroutine(dt):
+                            dt = await dt
+                        if i >= 20:
+                            out[k].append(dt)
+                return out
+            finally:
+                client.stop()
+                if mclient is not None:
+                    mclient.stop()
+
+        lat = asyncio.run(run())
+    if any(len(v) != n_lat for v in lat.values()):
+        raise RuntimeError(f"latency samples missing: { {k: len(v) for k, v in lat.items()} }")
+    return lat
+
+
+def _async_round_trip(add):
+    async def one() -> float:
+        t0 = time.perf_counter()
+        await add()
+        return time.perf_counter() - t0
+
+    return one
 
 
 def _have_megatron() -> bool:
@@ -491,17 +594,18 @@ def main() -> None:
     mega = not args.skip_megatron and _have_megatron()
     if not args.skip_megatron and not mega:
         print(INSTALL_HINT, file=sys.stderr)
-    kw = dict(n=args.requests, window=args.window, n_lat=args.latency_requests,
-              n_engines=args.engines)  # fmt: skip
+    kw = dict(n=args.requests, window=args.window, n_engines=args.engines)
     runs: dict[str, dict[str, list]] = {w: {} for w in WORKLOADS}
     for trial in range(args.trials):
         for w in WORKLOADS:
-            got = {"raw": bench_raw(w, **kw), **bench_rollout(w, **kw)}
+            rps = {"raw": bench_raw(w, **kw), **bench_rollout(w, **kw)}
             if mega:
-                got["megatron"] = bench_megatron(w, **kw)
-            for k, v in got.items():
-                runs[w].setdefault(k, []).append(v)
-            print(f"trial {trial} {w}", json.dumps({k: round(v["rps"]) for k, v in got.items()}))
+                rps["megatron"] = bench_megatron(w, **kw)
+            lat = bench_latency(w, args.latency_requests, args.engines, mega)
+            for k, v in rps.items():
+                runs[w].setdefault(k, []).append(_summary(v, lat[k]))
+            print(f"trial {trial} {w}", json.dumps({k: round(v) for k, v in rps.items()}),
+                  json.dumps({k: round(_pct(v, 50)) for k, v in lat.items()}))  # fmt: skip
     results = []
     for w, systems in runs.items():
         r = {"workload": w, **{k: _aggregate(v) for k, v in systems.items()}}
