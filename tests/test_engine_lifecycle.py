@@ -65,7 +65,7 @@ def live_tensor_bytes() -> int:
     gc.collect()
     seen, total = set(), 0
     for obj in gc.get_objects():
-        if type(obj) in (torch.Tensor, torch.nn.Parameter) and not obj.is_meta:
+        if type(obj) in (torch.Tensor, torch.nn.Parameter) and not (obj.is_meta or obj.is_mkldnn):
             st = obj.untyped_storage()
             if st.data_ptr() not in seen:
                 seen.add(st.data_ptr())

@@ -369,3 +369,48 @@ def test_forward_paged_zero_copy_and_shared_prefix_paths():
                     + [("long", 44 + t, 45 + t), ("short", 11 + t, 12 + t)])  # fmt: skip
         assert [b.num_rows for b in plan.shared_batches] == [3]
         assert len(plan.decode_views) == 1 and len(plan.decode_groups) == 1  # long / short
+
+
+def test_decode_views_and_packed_linears_follow_weight_changes():
+    """Pure decode steps of contiguous rows (every row a zero-copy view) at a steady batch size
+    run through the MKL-packed weights on CPU; an in-place weight change re-packs, and a deep
+    copy starts without packs. Every step matches the dense forward."""
+    import copy
+
+    from rollout.models import packed
+    from rollout.models.attention import AttentionPlan
+
+    config = ModelConfig.preset("tiny", vocab_size=64)
+    model = build_model(config, seed=4).eval()
+    bs, lens, steps = 4, [33, 40, 50], packed.STABLE + 2
+    gen = torch.Generator().manual_seed(9)
+    seqs = [torch.randint(0, 64, (n + steps,), generator=gen).tolist() for n in lens]
+    tables = [list(range(i * 20, i * 20 + 20)) for i in range(3)]  # one run each
+
+    def generate(m):
+        cache = torch.zeros(kv_cache_shape(config, 64, bs))
+        for i, n in enumerate(lens):  # prefill each alone
+            meta = PagedAttentionMetadata.from_lists([n], [n], [tables[i]], bs)
+            with torch.no_grad():
+                m.forward_paged(torch.tensor(seqs[i][:n]), torch.arange(n), meta, cache)
+        for t in range(steps):
+            ctx = [n + t + 1 for n in lens]
+            meta = PagedAttentionMetadata.from_lists([1] * 3, ctx, tables, bs)
+            ids = torch.tensor([s[c - 1] for s, c in zip(seqs, ctx, strict=True)])
+            with torch.no_grad():
+                got = m.compute_logits(m.forward_paged(ids, torch.tensor(ctx) - 1, meta, cache))
+                for i, c in enumerate(ctx):
+                    ref = m(torch.tensor([seqs[i][:c]]))[0, -1]
+                    assert (ref - got[i]).abs().max().item() <= 1e-5, (t, i)
+        assert AttentionPlan(meta, bs, 3).views_are_all_rows
+
+    generate(model)
+    if packed._OPS is not None:
+        assert model.packed.rows == 3 and model.packed._packs
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.25)  # in place: the packs must notice
+    generate(model)
+    twin = copy.deepcopy(model)
+    assert twin.packed.rows == 0 and not twin.packed._packs
+    generate(twin)

@@ -22,6 +22,14 @@ def test_greedy_and_top_k_one_are_argmax():
     assert out.log_probs is None and out.top_n is None
 
 
+def test_greedy_ties_take_the_first_index_like_argmax():
+    logits = torch.zeros(3, 4096)
+    logits[0, [7, 900, 4000]] = 1.0  # ties far apart (vectorised reductions split the row)
+    logits[2, [4095, 0]] = float("inf")
+    out = sampler.sample(logits, [SamplingParams(temperature=0.0)] * 3, [0] * 3, [0] * 3)
+    assert out.tokens == logits.argmax(-1).tolist() == [7, 0, 0]
+
+
 def test_seeded_draw_ignores_batch_composition():
     logits = _logits(6)
     sp = SamplingParams(temperature=0.9, top_p=0.95, top_k=20)

@@ -27,10 +27,9 @@ from torch import nn
 from rollout.engine import sampler
 from rollout.engine.block_manager import NO_PARENT, BlockManager
 from rollout.engine.config import SUSPEND_MODES, InferenceConfig
+from rollout.engine.model_runner import ModelRunner, PreparedBatch, prepare_batch
 from rollout.engine.scheduler import ScheduledBatch, Scheduler
-from rollout.engine.sequence import Sequence
-from rollout.hashing import HASH_MODULUS
-from rollout.models.attention import PagedAttentionMetadata
+from rollout.engine.sequence import Sequence, check_block_hashes
 from rollout.models.config import kv_bytes_per_block, kv_cache_shape
 from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord, Status
 from rollout.sampling import SamplingParams
@@ -49,17 +48,6 @@ class StepOutput:
 
     finished: list[DynamicInferenceRequestRecord] = field(default_factory=list)
     partials: list[tuple[int, list[int], list[float]]] = field(default_factory=list)
-
-
-@dataclass
-class _Prepared:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: PagedAttentionMetadata
-    logit_rows: list[int]  # rows of hidden whose logits are needed
-    sample_at: list[int]  # index into logit rows of each sampling sequence
-    samplers: list[Sequence]
-    prompt_lp: list[tuple[Sequence, int, int, int]]  # (seq, first logit row, start pos, count)
 
 
 class DynamicInferenceEngine:
@@ -86,6 +74,7 @@ class DynamicInferenceEngine:
         if param.device != device or param.dtype != dtype:
             model.to(device=device, dtype=dtype)
         self.model = model.eval()
+        self.runner = ModelRunner(self.model)
         self.tokenizer = tokenizer
         self.device, self.dtype = device, dtype
         self.vocab_size = int(self.model_config.vocab_size)
@@ -125,7 +114,7 @@ class DynamicInferenceEngine:
         size) of the leading complete blocks of the prompt (of the resumed segment's prompt
         for `record=`), e.g. the coordinator's; they replace hashing here. At most one per
         complete block. A wrong hash only costs cache hits: every hit is verified on tokens."""
-        given = self._check_hashes(precomputed_block_hashes)
+        given = check_block_hashes(precomputed_block_hashes)
         if record is None:
             record, error = self._new_record(request_id, prompt, sampling_params)
             if error is not None:
@@ -169,30 +158,6 @@ class DynamicInferenceEngine:
         self._seqs[rid] = seq
         self.scheduler.add(seq)
         return record
-
-    @staticmethod
-    def _check_hashes(hashes: Seq[int] | torch.Tensor | None) -> list[int] | None:
-        if hashes is None:
-            return None
-        if isinstance(hashes, torch.Tensor):
-            if hashes.dim() != 1 or hashes.dtype.is_floating_point or hashes.dtype == torch.bool:
-                raise ValueError(
-                    f"precomputed_block_hashes must be a 1-D integer tensor, got "
-                    f"{hashes.dtype} {tuple(hashes.shape)}"
-                )
-            hashes = hashes.tolist()
-        if isinstance(hashes, (str, bytes)) or not isinstance(hashes, Seq):
-            raise ValueError(
-                f"precomputed_block_hashes must be a list of ints, got {type(hashes).__name__}"
-            )
-        out = []
-        for h in hashes:
-            if isinstance(h, bool) or not isinstance(h, int) or not 1 <= h <= HASH_MODULUS:
-                raise ValueError(
-                    f"precomputed_block_hashes must hold ints in [1, 2**63 - 1], got {h!r}"
-                )
-            out.append(h)
-        return out
 
     def tokenize(self, text: str, add_bos: bool = True) -> list[int]:
         """Token ids of `text` exactly as a str prompt is tokenized (BOS when asked for and the
@@ -322,70 +287,26 @@ class DynamicInferenceEngine:
         if not batch:
             return out
         self.counters["steps"] += 1
-        prep = self._prepare(batch)
+        for seq, _ in batch:
+            self._refresh_kv_staleness(seq, seq.num_computed)
+            if seq.wants_prompt_log_probs and seq.request.prompt_length <= 1:
+                seq.request.prompt_log_probs = []  # nothing to score
+                if seq.request.sampling_params.top_n_logprobs:
+                    seq.request.prompt_top_n_logprobs = []
+        prep = prepare_batch(batch, self.config.block_size, self.device)
         t0 = time.perf_counter()
-        hidden = self.model.forward_paged(prep.input_ids, prep.positions, prep.meta, self.kv_cache)
-        logits = None
-        if prep.logit_rows:
-            rows = torch.tensor(prep.logit_rows, dtype=torch.long, device=hidden.device)
-            logits = self.model.compute_logits(hidden.index_select(0, rows))
+        logits = self.runner.logits(prep, self.kv_cache)
         self.counters["forward_time_s"] += time.perf_counter() - t0
-        self.blocks.stats.tokens_computed += prep.input_ids.numel()
+        self.blocks.stats.tokens_computed += prep.num_tokens
         for seq, n in batch:
             seq.num_computed += n
         self._register_blocks(batch)  # before finished sequences release their blocks
         self._prompt_log_probs(prep, logits)
         if prep.samplers:
-            at = torch.tensor(prep.sample_at, dtype=torch.long, device=logits.device)
-            s_logits = logits.index_select(0, at)
-            self._sample(prep.samplers, s_logits, out)
+            self._sample(prep.samplers, self.runner.sampling_logits(prep, logits), out)
         out.finished.extend(self._done)
         self._done = []
         return out
-
-    def _prepare(self, batch: ScheduledBatch) -> _Prepared:
-        ids: list[int] = []
-        positions: list[int] = []
-        q_lens, ctx_lens, tables = [], [], []
-        logit_rows: list[int] = []
-        sample_at: list[int] = []
-        samplers: list[Sequence] = []
-        prompt_lp = []
-        row = 0
-        for seq, n in batch:
-            c = seq.num_computed
-            self._refresh_kv_staleness(seq, c)
-            ids.extend(seq.tokens[c : c + n])
-            positions.extend(range(c, c + n))
-            q_lens.append(n)
-            ctx_lens.append(c + n)
-            tables.append(seq.block_table)
-            if seq.wants_prompt_log_probs:
-                # logits at position p score prompt token p + 1
-                count = max(0, min(c + n, seq.request.prompt_length - 1) - c)
-                if seq.request.prompt_length <= 1:
-                    seq.request.prompt_log_probs = []
-                    if seq.request.sampling_params.top_n_logprobs:
-                        seq.request.prompt_top_n_logprobs = []
-                elif count:
-                    prompt_lp.append((seq, len(logit_rows), c, count))
-                    logit_rows.extend(range(row, row + count))
-            if c + n == len(seq.tokens):
-                sample_at.append(len(logit_rows))
-                logit_rows.append(row + n - 1)
-                samplers.append(seq)
-            row += n
-        meta = PagedAttentionMetadata.from_lists(q_lens, ctx_lens, tables, self.config.block_size,
-                                                 self.device)  # fmt: skip
-        return _Prepared(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
-            meta=meta,
-            logit_rows=logit_rows,
-            sample_at=sample_at,
-            samplers=samplers,
-            prompt_lp=prompt_lp,
-        )
 
     def _refresh_kv_staleness(self, seq: Sequence, start: int) -> None:
         """KV computed from `start` on is fresh; after dropped KV, cached hits are fresh too."""
@@ -396,7 +317,7 @@ class DynamicInferenceEngine:
             req.reset_kv_staleness(0 if seq.kv_version is None else start)
         seq.kv_version = self.weight_version
 
-    def _prompt_log_probs(self, prep: _Prepared, logits: torch.Tensor) -> None:
+    def _prompt_log_probs(self, prep: PreparedBatch, logits: torch.Tensor | None) -> None:
         for seq, first, start, count in prep.prompt_lp:
             req = seq.request
             top_n = req.sampling_params.top_n_logprobs

@@ -52,7 +52,7 @@ def sample(
     logits = logits.float()
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if not rows:
-        tokens = logits.argmax(dim=-1)
+        tokens = _argmax(logits)
     else:
         sub = [params[i] for i in rows]
         u = [uniform(seeds[i], positions[i]) for i in rows]
@@ -60,7 +60,7 @@ def sample(
         if len(rows) == len(params):  # every row samples: no argmax, no gather
             tokens = _sample_rows(logits, sub, u)
         else:
-            tokens = logits.argmax(dim=-1)
+            tokens = _argmax(logits)
             idx = torch.tensor(rows, device=logits.device)
             tokens.index_copy_(0, idx, _sample_rows(logits.index_select(0, idx), sub, u))
 
@@ -80,6 +80,11 @@ def sample(
                 for i, p in enumerate(params)
             ]
     return SampleOutput(token_list, log_probs, top_n)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """First index of each row's maximum, like argmax; max(dim) is ~3x faster on CPU."""
+    return logits.max(dim=-1).indices
 
 
 def _sample_rows(

@@ -9,7 +9,12 @@ compute `tokens[num_computed:]` (possibly in chunks) and sample after the last o
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
+
+import torch
+
 from rollout import hashing
+from rollout.hashing import HASH_MODULUS
 from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord
 
 
@@ -104,3 +109,28 @@ class Sequence:
         if len(req.generated_tokens) >= sp.num_tokens_to_generate:
             return "length"
         return None
+
+
+def check_block_hashes(hashes: Seq[int] | torch.Tensor | None) -> list[int] | None:
+    """Validated `precomputed_block_hashes` (a list of ints or a 1-D int tensor) as a list."""
+    if hashes is None:
+        return None
+    if isinstance(hashes, torch.Tensor):
+        if hashes.dim() != 1 or hashes.dtype.is_floating_point or hashes.dtype == torch.bool:
+            raise ValueError(
+                f"precomputed_block_hashes must be a 1-D integer tensor, got "
+                f"{hashes.dtype} {tuple(hashes.shape)}"
+            )
+        hashes = hashes.tolist()
+    if isinstance(hashes, (str, bytes)) or not isinstance(hashes, Seq):
+        raise ValueError(
+            f"precomputed_block_hashes must be a list of ints, got {type(hashes).__name__}"
+        )
+    out = []
+    for h in hashes:
+        if isinstance(h, bool) or not isinstance(h, int) or not 1 <= h <= HASH_MODULUS:
+            raise ValueError(
+                f"precomputed_block_hashes must hold ints in [1, 2**63 - 1], got {h!r}"
+            )
+        out.append(h)
+    return out

@@ -11,16 +11,20 @@ first path that applies:
   per group, not once per row: in place on CPU when the group's blocks are laid out as runs,
   else all groups in a few batched gathered calls;
 - zero-copy (CPU): a row whose blocks are contiguous in the pool (the block manager allocates
-  runs with room to grow, so that is the usual case) attends to a slice of the pool directly,
-  one SDPA call per row. Gathering K/V (a full copy per layer) was the largest cost of a CPU
-  decode step; on CUDA the per-row calls would be launch-bound, so it keeps the batched path;
+  runs with room to grow, so that is the usual case) attends to a strided view of the pool
+  directly, one SDPA call per row. Gathering K/V (a full copy per layer) was the largest cost
+  of a CPU decode step; on CUDA the per-row calls would be launch-bound, so it keeps the
+  batched path. What is left is bound by reading the context from memory (~5-10 GB/s on one
+  core): a head-outermost pool layout, explicit matmul attention, pairs of rows per call and
+  views made once for all layers were all measured within a few percent of this;
 - batched: the remaining rows are bucketed by context length (little padding) and each bucket
   is one padded SDPA call with a key-padding mask over K/V gathered by whole blocks (a 2-D
   `index_select`, the memcpy path); the GQA group is folded into the query axis.
 
 Prefill chunks (query length > 1) run one SDPA call each: without earlier context the chunk's
 own K/V are used as they are (causal kernel, no cache read); with context, the pool slice or
-a gather and a [q, ctx] mask.
+a gather and a [q, ctx] mask. On CPU the kernel maps query heads to K/V heads itself
+(`enable_gqa`), which beat repeating K/V over the group (CUDA keeps the repeat).
 """
 
 from __future__ import annotations
@@ -215,6 +219,9 @@ class AttentionPlan:
                 batched.append(i)
             else:
                 self.decode_views.append((starts[i], first * block_size, ctx[i]))
+        rows = [r for r, _, _ in self.decode_views]
+        self.views_are_all_rows = rows == list(range(num_tokens))  # every row, in order
+        self.view_rows = torch.tensor(rows, dtype=torch.long, device=device)
 
         self.decode_groups: list[DecodeGroup] = []
         buckets = _bucket_by_length(batched, [nblocks[i] for i in batched])
@@ -281,24 +288,24 @@ def paged_attention(
     groups = plan.decode_groups
     if len(groups) == 1 and groups[0].rows is None:  # every row is a plain decode
         return _batched_decode(q, k_cache, v_cache, groups[0], scale)
+    if plan.views_are_all_rows:
+        return _view_decode(q, k_cache, v_cache, plan, scale)
     out = torch.empty_like(q)
     for g in groups:
         out.index_copy_(0, g.rows, _batched_decode(q, k_cache, v_cache, g, scale))
-
-    for row, first, length in plan.decode_views:
-        qr = q[row].view(1, kvh, group, dim)
-        kr = k_flat[first : first + length].transpose(0, 1).unsqueeze(0).to(q.dtype)
-        vr = v_flat[first : first + length].transpose(0, 1).unsqueeze(0).to(q.dtype)
-        out[row] = F.scaled_dot_product_attention(qr, kr, vr, scale=scale).view(heads, dim)
+    if plan.decode_views:
+        out.index_copy_(0, plan.view_rows, _view_decode(q, k_cache, v_cache, plan, scale))
 
     for sb in plan.shared_batches:
         out.index_copy_(0, sb.out_rows, shared_prefix_attention(q, k_cache, v_cache, sb, scale))
     for sv in plan.shared_views:
         out.index_copy_(0, sv.rows, shared_prefix_view_attention(q, k_cache, v_cache, sv, scale))
 
+    # On CPU the flash kernel maps query heads to K/V heads itself (enable_gqa, no K/V copy);
+    # CUDA's memory-efficient kernel does not, so there K/V are repeated over the GQA group.
+    native_gqa = group > 1 and q.device.type == "cpu"
     for start, end, ctx, first, blocks, mask in plan.prefills:
-        # Repeat K/V over the GQA group (measured faster than folding the group into the query
-        # axis) so a chunk without earlier context can use the causal kernel.
+        # a chunk without earlier context keeps the causal kernel
         if mask is None:  # the chunk is the whole context: its own K/V, no cache read
             ks, vs = k[start:end], v[start:end]
         elif first is not None:
@@ -308,15 +315,41 @@ def paged_attention(
             vs = _gather(v_cache, blocks, 1, -1)[0, :ctx]
         ks = ks.transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, KVH, ctx, D]
         vs = vs.transpose(0, 1).unsqueeze(0).to(q.dtype)
-        if group > 1:
+        if group > 1 and not native_gqa:
             ks = ks.repeat_interleave(group, dim=1)
             vs = vs.repeat_interleave(group, dim=1)
         qs = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
         os_ = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale
+            qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=native_gqa
         )
         out[start:end] = os_[0].transpose(0, 1)
     return out
+
+
+def _view_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan, scale: float
+) -> torch.Tensor:
+    """Decode rows whose context is one run of the pool: one SDPA call per row on a strided
+    view of the pool, no copy -> [len(decode_views), H, D] in `decode_views` order."""
+    n, heads, dim = q.shape
+    kvh = k_cache.shape[2]
+    q5 = q.view(n, 1, kvh, heads // kvh, dim)  # q5[row]: [1, KVH, g, D]
+    if plan.views_are_all_rows:
+        qs = q5.unbind(0)
+    else:
+        qs = [q5[row] for row, _, _ in plan.decode_views]
+    slot = kvh * dim
+    kb, vb = k_cache.storage_offset(), v_cache.storage_offset()
+    ks, vs = [], []
+    for _, first, length in plan.decode_views:
+        size, stride = (1, kvh, length, dim), (length * slot, dim, slot, 1)
+        ks.append(k_cache.as_strided(size, stride, kb + first * slot))
+        vs.append(v_cache.as_strided(size, stride, vb + first * slot))
+    if k_cache.dtype != q.dtype:
+        ks, vs = [k.to(q.dtype) for k in ks], [v.to(q.dtype) for v in vs]
+    sdpa = F.scaled_dot_product_attention
+    outs = [sdpa(qr, kr, vr, scale=scale) for qr, kr, vr in zip(qs, ks, vs, strict=True)]
+    return torch.cat(outs).view(len(outs), heads, dim)
 
 
 def _batched_decode(
