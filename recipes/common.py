@@ -274,6 +274,7 @@ def _train(
                   for ex in task.sample_prompts(run.recipe.eval_prompts, eval_rng)]  # fmt: skip
     source = prompt_source(task, tok, rng)
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)  # fmt: skip
+    schedule = C.lr_scheduler(run, opt)
     first_eval: dict[str, float] = {}
     last_eval: dict[str, float] = {}
     suspended_s, tokens_before = 0.0, 0.0
@@ -296,6 +297,7 @@ def _train(
             manager.suspend()
         suspended_at = time.perf_counter()
         metrics.update(grpo_update(model, opt, samples, run, tok.pad_id, ref_model))
+        schedule.step()
         metrics["train/update_s"] = time.perf_counter() - suspended_at
         metrics["rollout/version"] = manager.update_weights(model)
         if colocated:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 import textwrap
@@ -23,6 +24,7 @@ from rollout.config import (
     inference_config,
     kv_bytes_per_block,
     load_config,
+    lr_scheduler,
     manager_config,
     model_config,
     sampling_params,
@@ -133,6 +135,7 @@ def test_hydra_type_errors_name_the_key(overrides, fragments):
         (["rollout.samples_per_prompt=1"], ["trainer.loss=grpo", "samples_per_prompt >= 2"]),
         (["rollout.kv_policy=keep"], ["rollout.kv_policy=keep", "engine.suspend_mode=offload"]),
         (["trainer.tis_cap=0.5"], ["trainer.tis_cap must be >= 1"]),
+        (["trainer.min_lr_ratio=1.5"], ["trainer.min_lr_ratio must be in [0, 1]"]),
         (["rollout.top_p=0"], ["rollout.top_p must be in (0, 1]"]),
         (["trainer.betas=[0.9,1.5]"], ["trainer.betas"]),
         (["coordinator.engine_timeout_s=0.5"], ["coordinator.engine_timeout_s", "heartbeat_s"]),
@@ -260,3 +263,28 @@ def test_build_logger_logs_the_resolved_config(tmp_path):
         run["config"]["rollout"]["mode"] == "async" and run["config"]["trainer"]["tis_cap"] == 2.0
     )
     assert run["history"][0]["train/reward"] == 0.5
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_lr_schedule_follows_the_config(schedule):
+    """constant keeps lr; cosine falls from lr to lr * min_lr_ratio at trainer.steps and stays."""
+    run = load_config([f"trainer.lr_schedule={schedule}", "trainer.steps=10", "trainer.lr=0.1",
+                       "trainer.min_lr_ratio=0.2"])  # fmt: skip
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=run.trainer.lr)
+    sched = lr_scheduler(run, opt)
+    lrs = []
+    for _ in range(12):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    if schedule == "constant":
+        assert lrs == pytest.approx([0.1] * 12)
+    else:
+        assert lrs[0] == pytest.approx(0.1) and lrs[5] == pytest.approx(0.06)  # halfway
+        assert lrs[10:] == pytest.approx([0.02, 0.02])
+        assert all(a >= b for a, b in itertools.pairwise(lrs))
+
+
+def test_hydra_rejects_an_unknown_lr_schedule():
+    with pytest.raises(ConfigError, match="lr_schedule"):
+        load_config(["trainer.lr_schedule=linear"])

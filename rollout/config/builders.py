@@ -4,6 +4,7 @@ configs, the recipe's task, the metrics logger."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,25 @@ def sampling_params(
     )  # fmt: skip
     kwargs.update(changes)
     return SamplingParams(**kwargs)
+
+
+def lr_scheduler(run: RunConfig, optimizer: torch.optim.Optimizer) -> Any:
+    """The trainer's per-step learning-rate schedule; call `.step()` after each optimizer step.
+
+    cosine: lr falls from `lr` to `lr * min_lr_ratio` over `trainer.steps`. A nearly
+    deterministic policy late in GRPO turns one large step into a collapse; decaying the step
+    size is the usual guard, async rollouts (stale tokens) being the most exposed.
+    """
+    t = run.trainer
+    if t.lr_schedule == "constant":
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    floor, steps = t.min_lr_ratio, max(1, t.steps)
+
+    def cosine(step: int) -> float:
+        progress = min(step, steps) / steps
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, cosine)
 
 
 def to_dict(run: RunConfig) -> dict[str, Any]:

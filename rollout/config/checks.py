@@ -195,6 +195,8 @@ def _check_trainer(run: RunConfig, errors: list[str]) -> None:
               f"trainer.tis_cap must be >= 1 (a cap below 1 down-weights on-policy tokens) or null "
               f"(off), got {t.tis_cap}")  # fmt: skip
     _need(errors, t.kl_coef >= 0, f"trainer.kl_coef must be >= 0, got {t.kl_coef}")
+    _need(errors, 0 <= t.min_lr_ratio <= 1,
+          f"trainer.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")  # fmt: skip
 
 
 def _check_logger(run: RunConfig, errors: list[str]) -> None:

@@ -30,6 +30,7 @@ RolloutMode = _enum("RolloutMode", "colocated", "async")
 StalePolicy = _enum("StalePolicy", "drop", "regenerate")
 KVPolicy = _enum("KVPolicy", "recompute", "keep")
 Optimizer = _enum("Optimizer", "adamw")
+LrSchedule = _enum("LrSchedule", "constant", "cosine")
 LossType = _enum("LossType", "grpo", "ppo_clip")
 LossAgg = _enum("LossAgg", "token_mean", "seq_mean")
 WandbMode = _enum("WandbMode", "offline", "online", "disabled")
@@ -104,6 +105,8 @@ class RolloutCfg:
 class TrainerCfg:
     optimizer: Optimizer = Optimizer.adamw
     lr: float = 5e-4
+    lr_schedule: LrSchedule = LrSchedule.constant  # cosine: decays to lr * min_lr_ratio at `steps`
+    min_lr_ratio: float = 0.1
     betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
     weight_decay: float = 0.0
     grad_clip: float | None = 1.0
