@@ -297,7 +297,8 @@ def _train(
             manager.suspend()
         suspended_at = time.perf_counter()
         metrics.update(grpo_update(model, opt, samples, run, tok.pad_id, ref_model))
-        schedule.step()
+        if not metrics["train/skipped_step"]:
+            schedule.step()  # the schedule counts optimizer steps, like any torch scheduler
         metrics["train/update_s"] = time.perf_counter() - suspended_at
         metrics["rollout/version"] = manager.update_weights(model)
         if colocated:
