@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import zmq
 
 from rollout.gc_tuning import freeze_startup_heap
@@ -29,8 +28,10 @@ from rollout.protocol import (
     CONTROL_HEADERS,
     Headers,
     ProtocolError,
+    batch_frames,
     decode,
     encode,
+    encode_trusted,
     pack_obj,
     pack_tokens,
     unpack_floats,
@@ -42,11 +43,7 @@ from rollout.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-_SUBMIT = int(Headers.SUBMIT_REQUEST)
-_SUBMIT_BATCH = int(Headers.SUBMIT_BATCH)
-_MAX_BATCH = 256  # rows per SUBMIT_BATCH frame (a 512-token prompt row is ~2 KiB)
 _from_bytes = DynamicInferenceRequestRecord.from_bytes
-_packb = msgpack.packb
 
 
 class ClientError(RuntimeError):
@@ -187,11 +184,11 @@ class InferenceClient:
             return
         try:
             if len(rows) == 1:
-                self._sock.send(_packb([_SUBMIT, *rows[0]], use_bin_type=True), zmq.NOBLOCK)
+                frames = [encode_trusted(Headers.SUBMIT_REQUEST, *rows[0])]
             else:
-                for i in range(0, len(rows), _MAX_BATCH):
-                    chunk = rows[i : i + _MAX_BATCH]
-                    self._sock.send(_packb([_SUBMIT_BATCH, chunk], use_bin_type=True), zmq.NOBLOCK)
+                frames = batch_frames(Headers.SUBMIT_BATCH, rows)
+            for frame in frames:
+                self._sock.send(frame, zmq.NOBLOCK)
         except zmq.ZMQError as e:  # only if the socket broke: nothing queued can be answered
             self._fail_all(ClientStopped(f"could not send to the coordinator: {e}"))
             return
@@ -270,7 +267,7 @@ class InferenceClient:
         else:  # the turn's first submission leaves at once: a lone request waits for nothing
             self._turn_open = True
             self._loop.call_soon(self._end_turn)
-            self._send(_packb([_SUBMIT, *row], use_bin_type=True))
+            self._send(encode_trusted(Headers.SUBMIT_REQUEST, *row))
         return fut
 
     async def stream(

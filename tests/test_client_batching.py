@@ -43,7 +43,7 @@ async def test_burst_goes_out_batched_and_every_request_resolves(client):
     real_send = client._sock.send
     client._sock.send = lambda frame, flags=0: (sent.append(frame), real_send(frame, flags))[1]
     sp = SamplingParams(temperature=0.0, num_tokens_to_generate=4)
-    prompts = [[i, i + 2, i + 5] for i in range(600)]  # > 2 * _MAX_BATCH rows in one turn
+    prompts = [[i, i + 2, i + 5] for i in range(600)]  # > 2 * MAX_BATCH_ROWS rows in one turn
     futs = [client.add_request(p, sp) for p in prompts]
     assert len(sent) == 1  # the first leaves at once, the rest wait for the end of the turn
     records = await asyncio.gather(*futs)

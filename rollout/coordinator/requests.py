@@ -9,20 +9,12 @@ from __future__ import annotations
 
 import time
 
-import msgpack
 import numpy as np
 
 from rollout.coordinator.peers import ClientPeer, EnginePeer, Pending
 from rollout.coordinator.routing import PREFIX_POLICIES, affinity_key
 from rollout.coordinator.state import CoordinatorState
-from rollout.protocol import Headers, encode, pack_hashes
-
-_DISPATCH_BATCH = int(Headers.DISPATCH_BATCH)
-_MAX_DISPATCH_ROWS = 256  # rows per DISPATCH_BATCH frame (a 512-token prompt row is ~2 KiB)
-
-
-def _packb(obj: list) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+from rollout.protocol import Headers, batch_frames, encode, pack_hashes
 
 
 class RequestHandlers:
@@ -84,9 +76,8 @@ class RequestHandlers:
             engine = self.engines.get(key)
             if engine is None:  # removed while routing the batch: its requests were re-routed
                 continue
-            for i in range(0, len(rows), _MAX_DISPATCH_ROWS):
-                # rows built here from validated fields: packed without re-checking the schema
-                frame = _packb([_DISPATCH_BATCH, rows[i : i + _MAX_DISPATCH_ROWS]])
+            # rows built here from fields validated on arrival: no second schema check
+            for frame in batch_frames(Headers.DISPATCH_BATCH, rows):
                 if not self._send_engine(engine, frame):
                     break  # the engine was removed and everything it held re-dispatched
 
