@@ -2,7 +2,7 @@
 
 Side by side in one run, each server in its own process with 2 instant-engine processes (they
 reply to every request at once with a record of the requested generated length, batched per
-socket drain the way a real engine batches per step):
+socket drain the way a real engine batches per step; they live in coordinator_systems.py):
 
   raw            a pyzmq DEALER -> ROUTER -> DEALER forwarder, no decoding at all: the floor
   rollout_bare   our DataParallelInferenceCoordinator driven by a bare DEALER (the coordinator alone)
@@ -36,7 +36,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import multiprocessing as mp
 import os
 import platform
 import sys
@@ -46,20 +45,23 @@ from pathlib import Path
 
 import numpy as np
 import zmq
+from coordinator_systems import (  # this folder: the servers and instant engines compared
+    WORKLOADS,
+    RolloutSystem,
+    count_reply_rows,
+    megatron_request,
+    megatron_system,
+    raw_system,
+)
 
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_PY = ROOT / ".bench-venv" / "bin" / "python"
-WORKLOADS = {"512/128": (512, 128), "16/16": (16, 16)}
 INSTALL_HINT = (
     "Megatron-Core not found: build the benchmark venv with `scripts/bench_env.sh` "
     "(python3 -m venv .bench-venv && PIP_CONSTRAINT=constraints.txt .bench-venv/bin/pip install "
     "torch==2.13.0 megatron-core==0.16.1 msgpack pyzmq numpy && .bench-venv/bin/pip install -e .)"
 )
-
-
-def _prompt(prompt_len: int) -> list[int]:
-    return [(i * 7) % 1000 for i in range(prompt_len)]
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -68,155 +70,6 @@ def _pct(xs: list[float], q: float) -> float:
 
 def _summary(rps: float, lat: list[float]) -> dict:
     return {"rps": rps, "p50_us": _pct(lat, 50), "p99_us": _pct(lat, 99)}
-
-
-def _dealer(address: str) -> tuple[zmq.Context, zmq.Socket]:
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.SNDHWM, 0)
-    s.setsockopt(zmq.RCVHWM, 0)
-    s.connect(address)
-    return ctx, s
-
-
-def _drain(s: zmq.Socket) -> list[bytes]:
-    """One blocking receive plus whatever else is queued: an instant engine's 'step'."""
-    frames = [s.recv()]
-    while True:
-        try:
-            frames.append(s.recv(zmq.NOBLOCK))
-        except zmq.Again:
-            return frames
-
-
-# ---- instant engines ------------------------------------------------------------------------
-
-
-def _record_blob(prompt_len: int, gen: int) -> bytes:
-    import torch
-
-    from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord
-
-    req = DynamicInferenceRequest(request_id=1, prompt_tokens=torch.tensor(_prompt(prompt_len)))
-    for i in range(gen):
-        req.append_token(i % 1000, -0.5, None, 0)
-    return DynamicInferenceRequestRecord.from_request(req).to_bytes()
-
-
-def rollout_engine(address: str, rank: int, prompt_len: int, gen: int) -> None:
-    """Registers with our coordinator; answers every dispatch at once, one REPLY per drain."""
-    from rollout.protocol import Headers, decode, encode
-
-    blob = _record_blob(prompt_len, gen)
-    _ctx, s = _dealer(address)
-    s.send(encode(Headers.ENGINE_REGISTER, rank, 1 << 20, 0, None, 16))
-    while True:
-        rows = []
-        for f in _drain(s):
-            h, fields = decode(f)
-            if h is Headers.DISPATCH_REQUEST:
-                rows.append([fields[0], blob])
-            elif h is Headers.DISPATCH_BATCH:
-                rows.extend([row[0], blob] for row in fields[0])
-            elif h is Headers.SHUTDOWN:
-                return
-        if rows:
-            s.send(encode(Headers.REPLY, rows))
-
-
-def raw_engine(address: str, rank: int, prompt_len: int, gen: int) -> None:
-    blob = _record_blob(prompt_len, gen)
-    _ctx, s = _dealer(address)
-    s.send(b"")  # register
-    while True:
-        client, _payload = s.recv_multipart()
-        s.send_multipart([client, blob])
-
-
-def raw_forwarder(conn, n_engines: int) -> None:
-    """The floor: ROUTER forwarding opaque frames round-robin, no decoding."""
-    ctx = zmq.Context()
-    r = ctx.socket(zmq.ROUTER)
-    r.setsockopt(zmq.SNDHWM, 0)
-    r.setsockopt(zmq.RCVHWM, 0)
-    port = r.bind_to_random_port("tcp://127.0.0.1")
-    conn.send(f"tcp://127.0.0.1:{port}")
-    engines: list[bytes] = []
-    while len(engines) < n_engines:
-        ident, _ = r.recv_multipart()
-        engines.append(ident)
-    conn.send("ready")
-    eset, i = set(engines), 0
-    while True:
-        parts = r.recv_multipart()
-        if parts[0] in eset:  # engine reply: [engine, client, blob]
-            r.send_multipart(parts[1:])
-        else:  # client request: [client, payload]
-            r.send_multipart([engines[i % n_engines], parts[0], parts[1]])
-            i += 1
-
-
-def _stub_nvtx() -> None:
-    """Megatron's serialize() brackets itself with torch.cuda.nvtx, which raises on CPU torch."""
-    import torch
-
-    if not torch.cuda.is_available():
-        torch.cuda.nvtx.range_push = lambda *a, **k: None
-        torch.cuda.nvtx.range_pop = lambda *a, **k: None
-
-
-def _megatron_record(prompt_len: int, gen: int) -> dict:
-    """A finished request as a real Megatron engine would serialize it (same content as ours)."""
-    import torch
-    from megatron.core.inference.inference_request import (
-        DynamicInferenceRequest,
-        DynamicInferenceRequestRecord,
-        Status,
-    )
-    from megatron.core.inference.sampling_params import SamplingParams
-
-    _stub_nvtx()
-    req = DynamicInferenceRequest(
-        request_id=0,
-        prompt_tokens=torch.tensor(_prompt(prompt_len)),
-        sampling_params=SamplingParams(num_tokens_to_generate=gen),
-        generated_tokens=[i % 1000 for i in range(gen)],
-        generated_log_probs=[-0.5] * gen,
-        tpot=[0.001] * (gen - 1),
-        generated_length=gen,
-        status=Status.COMPLETED,
-    )
-    return DynamicInferenceRequestRecord.from_request(req).serialize()
-
-
-def megatron_engine(address: str, rank: int, prompt_len: int, gen: int) -> None:
-    """A Megatron DP engine as its coordinator sees one: a DEALER that registers with an empty
-    frame, takes [SUBMIT_REQUEST, id, prompt, sampling_params] and replies
-    [ENGINE_REPLY, [record, ...]] once per step (here: per drain)."""
-    import msgpack
-    from megatron.core.inference.headers import Headers as MH
-
-    record = _megatron_record(prompt_len, gen)
-    req0 = record["requests"][0]
-    submit, reply = MH.SUBMIT_REQUEST.value, MH.ENGINE_REPLY.value
-    _ctx, s = _dealer(address)
-    s.send(b"")  # register
-    while True:
-        done = []
-        for f in _drain(s):
-            msg = msgpack.unpackb(f, raw=False)
-            if msg[0] == submit:
-                done.append({**record, "requests": [{**req0, "request_id": msg[1]}]})
-        if done:
-            s.send(msgpack.packb([reply, done], use_bin_type=True))
-
-
-class NullTokenizer:
-    """Megatron's coordinator detokenizes every reply; an instant engine's tokenizer is free."""
-
-    def detokenize(self, tokens) -> str:
-        return ""
 
 
 # ---- drivers --------------------------------------------------------------------------------
@@ -234,16 +87,16 @@ def _bare_throughput(sock: zmq.Socket, frames: list[bytes], window: int, count) 
     return n / (time.perf_counter() - t0)
 
 
-def _bare_latency(sock: zmq.Socket, frames: list[bytes], count=lambda m: 1) -> list[float]:
-    """Round trip of one request at a time; frames holding no reply (heartbeats) are skipped."""
-    out = []
+def _bare_round_trip(sock: zmq.Socket, frame: bytes, count=lambda m: 1) -> None:
+    """Send one request and wait for its reply; frames holding no reply (heartbeats) are skipped."""
+    sock.send(frame)
+    while not count(sock.recv()):
+        pass
+
+
+def _bare_warm_up(sock: zmq.Socket, frames: list[bytes], count=lambda m: 1) -> None:
     for f in frames:
-        t0 = time.perf_counter()
-        sock.send(f)
-        while not count(sock.recv()):
-            pass
-        out.append(time.perf_counter() - t0)
-    return out
+        _bare_round_trip(sock, f, count)
 
 
 async def _client_drive(add, n: int, window: int, gen: int) -> float:
@@ -268,145 +121,12 @@ async def _client_drive(add, n: int, window: int, gen: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def _start_engines(target, addr: str, n: int, prompt_len: int, gen: int) -> list[mp.Process]:
-    spawn = mp.get_context("spawn")
-    procs = [
-        spawn.Process(target=target, args=(addr, r, prompt_len, gen), daemon=True) for r in range(n)
-    ]
-    for p in procs:
-        p.start()
-    return procs
-
-
-def _count_reply_rows(msg: bytes) -> int:
-    from rollout.protocol import Headers, decode
-
-    h, fields = decode(msg)
-    return len(fields[0]) if h is Headers.REPLY else 0
-
-
-# ---- systems: each a context manager that starts a server + instant engines -----------------
-
-
-@contextlib.contextmanager
-def raw_system(name: str, n_engines: int):
-    """Yields (DEALER socket, payload) of a raw forwarder with its engines registered."""
-    prompt_len, gen = WORKLOADS[name]
-    from rollout.protocol import pack_obj, pack_tokens
-    from rollout.sampling import SamplingParams
-
-    payload = pack_tokens(_prompt(prompt_len)) + pack_obj(
-        SamplingParams(num_tokens_to_generate=gen).serialize()
-    )
-    spawn = mp.get_context("spawn")
-    parent, child = spawn.Pipe()
-    fwd = spawn.Process(target=raw_forwarder, args=(child, n_engines), daemon=True)
-    fwd.start()
-    addr = parent.recv()
-    engs = _start_engines(raw_engine, addr, n_engines, prompt_len, gen)
-    parent.recv()  # every engine registered
-    ctx, s = _dealer(addr)
-    try:
-        yield s, payload
-    finally:
-        s.close(0)
-        ctx.term()
-        for p in (*engs, fwd):
-            p.kill()
-
-
-class RolloutSystem:
-    """Our coordinator + instant engines, and a bare DEALER client (handshake done)."""
-
-    def __init__(self, name: str, n_engines: int):
-        from rollout.coordinator import DataParallelInferenceCoordinator
-        from rollout.protocol import pack_obj, pack_tokens
-        from rollout.sampling import SamplingParams
-
-        prompt_len, self.gen = WORKLOADS[name]
-        self.prompt = _prompt(prompt_len)
-        self.sp = SamplingParams(num_tokens_to_generate=self.gen)
-        self._wire = (pack_tokens(self.prompt), pack_obj(self.sp.serialize()))
-        self.proc, self.addr = DataParallelInferenceCoordinator.spawn(
-            heartbeat_s=1.0, engine_timeout_s=30.0
-        )
-        self.engines = _start_engines(rollout_engine, self.addr, n_engines, prompt_len, self.gen)
-        self.ctx, self.sock = _dealer(self.addr)
-        self._next_id = 0
-        self._handshake(n_engines)
-
-    def _handshake(self, n_engines: int) -> None:
-        from rollout.protocol import Headers, decode, encode
-
-        self.sock.send(encode(Headers.CONNECT, None))
-        decode(self.sock.recv())
-        while True:  # wait for the engines to register
-            self.sock.send(encode(Headers.STATS, 0))
-            h, f = decode(self.sock.recv())
-            if h is Headers.STATS_REPLY and len(f[1]["engines"]) == n_engines:
-                return
-
-    def frames(self, k: int) -> list[bytes]:
-        """k SUBMIT_REQUEST frames with fresh client request ids."""
-        from rollout.protocol import Headers, encode
-
-        first, self._next_id = self._next_id, self._next_id + k
-        prompt, sp = self._wire
-        return [
-            encode(Headers.SUBMIT_REQUEST, first + i, prompt, sp, self.gen, False) for i in range(k)
-        ]
-
-    def close(self) -> None:
-        from rollout.protocol import Headers, encode
-
-        self.sock.send(encode(Headers.DISCONNECT))
-        self.sock.close(100)
-        self.ctx.term()
-        for p in (*self.engines, self.proc):
-            p.kill()
-
-
-@contextlib.contextmanager
-def megatron_system(name: str, n_engines: int):
-    """Yields the address of Megatron-Core's coordinator with its instant engines registered."""
-    from megatron.core.inference.data_parallel_inference_coordinator import (
-        DataParallelInferenceCoordinator as MCoordinator,
-    )
-
-    prompt_len, gen = WORKLOADS[name]
-    spawn = mp.get_context("spawn")
-    parent, child = spawn.Pipe()
-    ready = spawn.Event()
-    coord = spawn.Process(
-        target=MCoordinator.entrypoint,
-        args=(child, ready, n_engines, NullTokenizer()),
-        daemon=True,
-    )
-    coord.start()
-    addr = parent.recv()
-    engs = _start_engines(megatron_engine, addr, n_engines, prompt_len, gen)
-    try:
-        if not ready.wait(60):
-            raise TimeoutError("Megatron coordinator did not see its engines register")
-        yield addr
-    finally:
-        for p in (*engs, coord):
-            p.kill()
-
-
-def _megatron_request(name: str):
-    from megatron.core.inference.sampling_params import SamplingParams as MSamplingParams
-
-    prompt_len, gen = WORKLOADS[name]
-    return _prompt(prompt_len), MSamplingParams(num_tokens_to_generate=gen)
-
-
 # ---- throughput: one system at a time ----------------------------------------------------------
 
 
 def bench_raw(name: str, n: int, window: int, n_engines: int) -> float:
     with raw_system(name, n_engines) as (s, payload):
-        _bare_latency(s, [payload] * 50)
+        _bare_warm_up(s, [payload] * 50)
         return _bare_throughput(s, [payload] * n, window, lambda m: 1)
 
 
@@ -416,8 +136,8 @@ def bench_rollout(name: str, n: int, window: int, n_engines: int) -> dict[str, f
 
     system = RolloutSystem(name, n_engines)
     try:
-        _bare_latency(system.sock, system.frames(50), _count_reply_rows)
-        bare = _bare_throughput(system.sock, system.frames(n), window, _count_reply_rows)
+        _bare_warm_up(system.sock, system.frames(50), count_reply_rows)
+        bare = _bare_throughput(system.sock, system.frames(n), window, count_reply_rows)
 
         async def run() -> float:
             client = await InferenceClient(system.addr).start()
@@ -436,7 +156,7 @@ def bench_megatron(name: str, n: int, window: int, n_engines: int) -> float:
     """Megatron-Core's coordinator + InferenceClient (run inside an interpreter that has it)."""
     from megatron.core.inference.inference_client import InferenceClient as MClient
 
-    prompt, sp = _megatron_request(name)
+    prompt, sp = megatron_request(name)
     with megatron_system(name, n_engines) as addr:
 
         async def run() -> float:
@@ -468,12 +188,13 @@ def bench_latency(name: str, n_lat: int, n_engines: int, mega: bool) -> dict[str
 
         async def run() -> dict[str, list[float]]:
             client = await InferenceClient(system.addr).start()
+            # each taker sends one request: done on return, or when the returned future is
             takers = {
-                "raw": lambda: _bare_latency(raw_sock, [payload])[0],
-                "rollout_bare": lambda: _bare_latency(
-                    system.sock, system.frames(1), _count_reply_rows
-                )[0],
-                "rollout": _async_round_trip(lambda: client.add_request(system.prompt, system.sp)),
+                "raw": lambda: _bare_round_trip(raw_sock, payload),
+                "rollout_bare": lambda: _bare_round_trip(
+                    system.sock, system.frames(1)[0], count_reply_rows
+                ),
+                "rollout": lambda: client.add_request(system.prompt, system.sp),
             }
             mclient = None
             if maddr is not None:
@@ -481,37 +202,26 @@ def bench_latency(name: str, n_lat: int, n_engines: int, mega: bool) -> dict[str
 
                 mclient = MClient(maddr)
                 await mclient.start()
-                prompt, sp = _megatron_request(name)
-                takers["megatron"] = _async_round_trip(lambda: mclient.add_request(prompt, sp))
+                prompt, sp = megatron_request(name)
+                takers["megatron"] = lambda: mclient.add_request(prompt, sp)
             try:
                 out: dict[str, list[float]] = {k: [] for k in takers}
                 order = list(takers)
                 for i in range(n_lat + 20):  # the first 20 rounds warm up
                     for k in order[i % len(order) :] + order[: i % len(order)]:
-                        dt = takers[k]()
-                        if asyncio.iscoroutine(dt):
-                            dt = await dt
+                        t0 = time.perf_counter()
+                        pending = takers[k]()
+                        if pending is not None:
+                            await pending
                         if i >= 20:
-                            out[k].append(dt)
+                            out[k].append(time.perf_counter() - t0)
                 return out
             finally:
                 client.stop()
                 if mclient is not None:
                     mclient.stop()
 
-        lat = asyncio.run(run())
-    if any(len(v) != n_lat for v in lat.values()):
-        raise RuntimeError(f"latency samples missing: { {k: len(v) for k, v in lat.items()} }")
-    return lat
-
-
-def _async_round_trip(add):
-    async def one() -> float:
-        t0 = time.perf_counter()
-        await add()
-        return time.perf_counter() - t0
-
-    return one
+        return asyncio.run(run())
 
 
 def _have_megatron() -> bool:
