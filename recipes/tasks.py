@@ -32,7 +32,7 @@ class TaskExample:
 
 
 class Tokenizer(Protocol):
-    bos_id: int
+    bos_id: int | None  # None: the model's sequences start without one (Qwen2.5, Qwen3)
     eos_id: int
     pad_id: int
 
@@ -101,7 +101,7 @@ class Task:
     # -- token budgets ----------------------------------------------------------------------------
     @property
     def max_prompt_tokens(self) -> int:
-        """Upper bound on prompt length in tokens (bos + one byte per ASCII character)."""
+        """Upper bound on prompt length in tokens (bos if any + one per ASCII character)."""
         return 1 + self.max_prompt_chars
 
     @property
@@ -110,6 +110,7 @@ class Task:
         return self.max_answer_chars + 1
 
     def prompt_ids(self, example: TaskExample, tokenizer: Tokenizer) -> list[int]:
+        """bos (when the tokenizer has one) + the prompt's ids."""
         return tokenizer.encode(example.prompt, add_bos=True)
 
     # -- supervised warm start --------------------------------------------------------------------

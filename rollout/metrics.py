@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-NAMESPACES = ("rollout", "engine", "weight_sync", "staleness", "train", "mismatch")
+NAMESPACES = ("rollout", "engine", "coordinator", "weight_sync", "staleness", "train", "mismatch")
 WANDB_MODES = ("offline", "online", "disabled")
 
 

@@ -2,8 +2,8 @@
 tokenizer for tests and recipes (no files, no downloads).
 
 Interface: `encode(text, add_bos=False) -> list[int]`, `decode(ids, skip_special_tokens=True)`,
-`tokenize`/`detokenize` aliases, `bos_id`, `eos_id`, `pad_id`, `eos_ids` (every id that ends a
-generation), `vocab_size`.
+`tokenize`/`detokenize` aliases, `bos_id` (None when the tokenizer has none: `add_bos` then adds
+nothing), `eos_id`, `pad_id`, `eos_ids` (every id that ends a generation), `vocab_size`.
 """
 
 from __future__ import annotations
@@ -86,7 +86,9 @@ class HFTokenizer(_Aliases):
     """A `tokenizers.Tokenizer` with bos/eos/pad ids resolved from the files next to it.
 
     Special tokens are never added implicitly: `encode` adds bos only when asked, so prompts
-    are tokenized the same way whatever post-processor the tokenizer.json carries.
+    are tokenized the same way whatever post-processor the tokenizer.json carries. A tokenizer
+    without a bos token (Qwen2.5, Qwen3) was trained on sequences that start without one, so
+    `add_bos=True` adds nothing there, as HF's own `add_special_tokens` does.
     """
 
     def __init__(self, tokenizer: Any, bos_id: int | None, eos_ids: list[int],
@@ -102,18 +104,16 @@ class HFTokenizer(_Aliases):
         if not isinstance(text, str):
             raise TypeError(f"encode expects str, got {type(text).__name__}")
         ids = self._tok.encode(text, add_special_tokens=False).ids
-        if add_bos:
-            if self.bos_id is None:
-                raise ValueError("add_bos=True but this tokenizer has no bos token")
-            ids = [self.bos_id, *ids]
-        return ids
+        return [*self._bos_prefix(add_bos), *ids]
 
     def encode_batch(self, texts: Sequence[str], add_bos: bool = False) -> list[list[int]]:
         encs = self._tok.encode_batch(list(texts), add_special_tokens=False)
-        if add_bos and self.bos_id is None:
-            raise ValueError("add_bos=True but this tokenizer has no bos token")
-        prefix = [self.bos_id] if add_bos else []
+        prefix = self._bos_prefix(add_bos)
         return [prefix + e.ids for e in encs]
+
+    def _bos_prefix(self, add_bos: bool) -> list[int]:
+        """[bos] when asked and the tokenizer has one, else []."""
+        return [self.bos_id] if add_bos and self.bos_id is not None else []
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         ids = [int(i) for i in ids]

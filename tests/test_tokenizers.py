@@ -91,3 +91,15 @@ def test_load_tokenizer_errors(hf_dir, tmp_path_factory):
     (hf_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<nope>"}))
     with pytest.raises(ValueError, match="<nope>"):
         load_tokenizer(hf_dir)
+
+
+def test_hf_tokenizer_without_bos_adds_none(hf_dir):
+    """Qwen2.5/Qwen3 ship no bos token: add_bos=True leaves the prompt as the text's ids."""
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    tok = load_tokenizer(hf_dir)
+    assert tok.bos_id is None and tok.eos_id == 2
+    for text in CORPUS:
+        assert (
+            tok.encode(text, add_bos=True) == tok.encode(text) == tok.tokenize(text, add_bos=True)
+        )
+    assert tok.encode_batch(CORPUS, add_bos=True) == [tok.encode(t) for t in CORPUS]
