@@ -57,7 +57,7 @@ _MAX_KEYS = (
 
 def ensure_override(argv: list[str], key: str, value: str) -> list[str]:
     """argv with `key=value` appended unless the user already overrides `key` (Hydra apps that
-    share rollout/conf/config.yaml but default to another recipe)."""
+    share conf/config.yaml but default to another recipe)."""
     if any(a.split("=", 1)[0].lstrip("+~") == key for a in argv[1:] if "=" in a):
         return argv
     return [*argv, f"{key}={value}"]

@@ -27,5 +27,5 @@ def main(cfg: Any) -> float | None:
 
 
 if __name__ == "__main__":
-    sys.argv = ensure_override(sys.argv, "recipe", RECIPE)  # rollout/conf/config.yaml: colocated
+    sys.argv = ensure_override(sys.argv, "recipe", RECIPE)  # conf/config.yaml: colocated
     main()

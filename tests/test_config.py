@@ -1,4 +1,4 @@
-"""rollout.config + rollout/conf/: every group option composes and validates; bad overrides fail clearly."""
+"""rollout.config + conf/: every group option composes and validates; bad overrides fail clearly."""
 
 from __future__ import annotations
 

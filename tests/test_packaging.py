@@ -1,8 +1,9 @@
 """Packaging: a wheel built offline carries the Hydra config groups, and an install from it composes.
 
-The configs live in `rollout/conf/` as package data (found through `rollout.config.CONF_DIR`), so
-a plain `pip install rollout-*.whl` runs recipes without the source tree. The build runs on a copy
-of the sources in a temporary directory: no `build/` or `*.egg-info` churn in the checkout.
+The configs live in the top-level `conf/`; the build maps it into the package as `rollout/conf`
+(pyproject.toml), found through `rollout.config.CONF_DIR` either way, so a plain
+`pip install rollout-*.whl` runs recipes without the source tree. The build runs on a copy of the
+sources in a temporary directory: no `build/` or `*.egg-info` churn in the checkout.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import pytest
 from rollout.config import CONF_DIR, GROUPS
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ("pyproject.toml", "README.md", "rollout", "trainer_hooks", "recipes")
+SOURCES = ("pyproject.toml", "README.md", "conf", "rollout", "trainer_hooks", "recipes")
+PACKAGES = ("rollout", "trainer_hooks", "recipes")
 IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
 
 
@@ -43,11 +45,20 @@ def wheel(tmp_path_factory) -> Path:
     return whl
 
 
-def test_conf_dir_is_inside_the_package():
-    import rollout
-
-    assert Path(rollout.__file__).resolve().parent / "conf" == CONF_DIR
+def test_conf_dir_is_the_top_level_conf_in_a_checkout():
+    assert ROOT / "conf" == CONF_DIR
     assert (CONF_DIR / "config.yaml").is_file()
+    assert not (ROOT / "rollout" / "conf").exists()  # one copy of the configs
+
+
+def test_wheel_ships_every_module_of_the_source_tree(wheel):
+    """pyproject.toml lists the packages by name (to map conf/ in): a new package must be listed."""
+    names = set(zipfile.ZipFile(wheel).namelist())
+    sources = {
+        p.relative_to(ROOT).as_posix() for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")
+    }
+    assert sources, PACKAGES
+    assert sources <= names, sorted(sources - names)
 
 
 def test_wheel_ships_every_config_group(wheel):
@@ -76,5 +87,6 @@ def test_installed_wheel_composes_outside_the_source_tree(wheel, tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     module, conf_dir, mode = proc.stdout.split()[-3:]
-    assert module.startswith(str(site)) and conf_dir.startswith(str(site))
+    assert module.startswith(str(site))
+    assert Path(conf_dir) == site / "rollout" / "conf"
     assert mode == "True"

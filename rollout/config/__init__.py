@@ -2,7 +2,7 @@
 
 One dataclass per config group (`model`, `engine`, `coordinator`, `rollout`, `trainer`,
 `logger`, `recipe`) composed into `RunConfig`, registered in Hydra's ConfigStore as
-`base_config`; `rollout/conf/config.yaml` starts from it, so every YAML option and every command-line
+`base_config`; `conf/config.yaml` starts from it, so every YAML option and every command-line
 override is type-checked by OmegaConf (a wrong type or an unknown enum value fails with the key
 and the allowed values). `validate()` adds what types cannot express: relations between groups
 (async rollouts need importance correction, the KV pool must hold one max-length request, GRPO
@@ -67,11 +67,20 @@ from rollout.config.schema import (
     register_configs,
 )
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # package data: ships in the wheel
+
+def _conf_dir() -> Path:
+    """The Hydra config groups: `rollout/conf` in an installed wheel (the build maps the top-level
+    `conf/` there, see pyproject.toml), the repository's `conf/` in a source checkout."""
+    package = Path(__file__).resolve().parent.parent
+    packaged = package / "conf"
+    return packaged if packaged.is_dir() else package.parent / "conf"
+
+
+CONF_DIR = _conf_dir()
 
 
 def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "config") -> Any:
-    """Compose `rollout/conf/<config_name>.yaml` with overrides (outside a Hydra app) -> DictConfig."""
+    """Compose `conf/<config_name>.yaml` with overrides (outside a Hydra app) -> DictConfig."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra

@@ -1,6 +1,6 @@
 """The typed schema of a run: one dataclass per config group, composed into `RunConfig`.
 
-Registered in Hydra's ConfigStore as `base_config` (rollout/conf/config.yaml starts from it), so every
+Registered in Hydra's ConfigStore as `base_config` (conf/config.yaml starts from it), so every
 YAML option and command-line override is type-checked by OmegaConf: a wrong type or an unknown
 enum value fails with the key and the allowed values.
 """
@@ -157,7 +157,7 @@ class RunConfig:
 
 
 def register_configs() -> None:
-    """Store RunConfig as `base_config` (the schema rollout/conf/config.yaml starts from); idempotent.
+    """Store RunConfig as `base_config` (the schema conf/config.yaml starts from); idempotent.
 
     One schema for the whole tree is enough: every group option merges into a typed node.
     """
