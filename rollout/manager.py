@@ -11,10 +11,15 @@ It owns the engine and hands the trainer finished GRPO groups. Two modes:
   two engine steps, so a weight swap can never land inside a forward pass (no sample mixes
   versions within one token), and no lock can starve the trainer (`rollout.driver`).
 
-Staleness is counted in weight updates and measured when a sample is handed out. `max_staleness`
-bounds the per-token policy staleness of handed-out samples: stale groups are dropped whole
+Staleness is counted in weight updates and computed when a sample is handed out, from each
+token's own weight versions (`rollout.staleness`; definitions in docs/internals.md). `max_staleness`
+bounds every handed-out token's policy and KV staleness: stale groups are dropped whole
 (`stale_policy="drop"`; GRPO advantages need complete groups) or only their stale samples are
-re-sampled (`"regenerate"`). Both are counted in `stats()` (`rollout.staleness`).
+re-sampled (`"regenerate"`). Both are counted in `stats()`.
+
+A request that fails (refused by the engine, lost with its engine, or caught in an engine step
+that raised) becomes a failed sample (`Sample.failed`, `Sample.error`), counted under
+`rollout/samples_failed` and logged; generation goes on.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import logging
 import time
 import weakref
 from collections import deque
@@ -32,10 +38,15 @@ import torch
 from torch import nn
 
 from rollout.driver import EngineDriver
-from rollout.samples import Sample, collate, sample_from_request
+from rollout.events import Status
+from rollout.metrics import staleness_summary
+from rollout.request import DynamicInferenceRequest
+from rollout.samples import Sample, collate, request_error
 from rollout.sampling import SamplingParams
-from rollout.staleness import Group, age_group, stale_indices, staleness_stats
+from rollout.staleness import Group, VersionHistory, hand_out, stale_indices
 from rollout.weights import as_state_dict, check_compatible
+
+log = logging.getLogger(__name__)
 
 __all__ = ["RolloutManager", "RolloutManagerConfig", "Sample", "collate"]
 
@@ -124,7 +135,7 @@ class RolloutManager(EngineDriver):
         self._ready: deque[int] = deque()
         self._next_rid = 0
         self._next_gid = 0
-        self._num_updates = 0
+        self._history = VersionHistory(self.version)
         self._source_obj: Any = None
         self._source: Iterator | None = None
         self._source_done = False
@@ -140,6 +151,8 @@ class RolloutManager(EngineDriver):
                 "groups_dropped_stale",
                 "samples_regenerated",
                 "samples_failed",
+                "engine_step_errors",
+                "late_records",
                 "tokens_generated",
                 "engine_steps",
                 "suspends",
@@ -215,7 +228,7 @@ class RolloutManager(EngineDriver):
         gids = self._call(lambda: [self._submit_group(p, n, sp, for_collect=False) for p in items])
         self._wait(lambda: all(self._groups[g].complete for g in gids))
         with self._cv:
-            out = [age_group(self._groups.pop(g), self._num_updates) for g in gids]
+            out = [hand_out(self._groups.pop(g), self._history) for g in gids]
         return [s for grp in out for s in grp]
 
     def collect(
@@ -254,7 +267,13 @@ class RolloutManager(EngineDriver):
                 self._cv.notify_all()  # room for the async thread to submit more
             if take == [] and self._exhausted_now():
                 break
-        self._last.update(staleness_stats(batch))  # the whole batch, not just its last group
+        self._last.update(  # the whole batch, not just its last group
+            staleness_summary(
+                [s.policy_staleness for s in batch],
+                kv=[s.kv_staleness for s in batch],
+                histograms=False,
+            )
+        )
         if reward_fn is not None:
             for s in batch:
                 s.reward = reward_fn(s)
@@ -289,7 +308,7 @@ class RolloutManager(EngineDriver):
             out.update(
                 {
                     "rollout/version": self.version,
-                    "rollout/num_updates": self._num_updates,
+                    "rollout/num_updates": self._history.num_updates,
                     "rollout/inflight_groups": inflight,
                     "rollout/ready_groups": len(self._ready),
                     "rollout/inflight_requests": len(self._requests),
@@ -374,7 +393,7 @@ class RolloutManager(EngineDriver):
         nbytes = sum(t.numel() * t.element_size() for t in sd.values())
         with self._cv:
             self.version = version
-            self._num_updates += 1
+            self._history.append(version)
             self._last.update(
                 {
                     "weight_sync/seconds": dt,
@@ -426,7 +445,7 @@ class RolloutManager(EngineDriver):
             raise ValueError(f"prompt source item has no prompt: {item!r:.200}")
         gid = self._next_gid
         self._next_gid += 1
-        g = Group(gid, prompt, meta, sp, [None] * n, [0] * n, for_collect)
+        g = Group(gid, prompt, meta, sp, [None] * n, for_collect)
         with self._cv:
             self._groups[gid] = g
         for i in range(n):
@@ -442,33 +461,67 @@ class RolloutManager(EngineDriver):
         rid = self._next_rid
         self._next_rid += 1
         self._requests[rid] = (g.gid, index)
-        self.engine.add_request(rid, g.prompt, sp)
+        try:
+            self.engine.add_request(rid, g.prompt, sp)
+        except Exception as e:  # refused (bad prompt or parameters): this sample fails alone
+            self._on_request(self._failed_request(rid, e))
 
     def _step(self) -> None:
-        out = self.engine.step()
+        try:
+            out = self.engine.step()
+        except Exception as e:  # no request explains it: fail the in-flight ones, keep going
+            self._on_step_error(e)
+            return
         self._counters["engine_steps"] += 1
         for record in out.finished:
-            self._on_finished(record)
+            self._on_request(record.merge())
 
-    def _on_finished(self, record: Any) -> None:
-        gid, index = self._requests.pop(record.request_id)
+    def _on_step_error(self, error: Exception) -> None:
+        """The engine step raised: every request in flight may be lost or corrupt, so each
+        becomes a failed sample (aborted in the engine, best effort); later records for them
+        are ignored."""
+        self._counters["engine_step_errors"] += 1
+        log.error(
+            "engine step failed; failing %d in-flight requests: %r", len(self._requests), error
+        )
+        for rid in list(self._requests):
+            with contextlib.suppress(Exception):
+                self.engine.abort(rid)
+            self._on_request(self._failed_request(rid, error))
+
+    def _failed_request(self, rid: int, error: Exception) -> DynamicInferenceRequest:
+        req = DynamicInferenceRequest(request_id=rid, status=Status.FAILED)
+        req.add_event_error_nontransient(error)
+        req.add_event_fail()
+        return req
+
+    def _on_request(self, req: DynamicInferenceRequest) -> None:
+        """A merged request came back (finished or failed): file it in its group."""
+        where = self._requests.pop(req.request_id, None)
+        if where is None:  # failed here already (a step error), or aborted at close
+            self._counters["late_records"] += 1
+            return
+        gid, index = where
+        self._counters["tokens_generated"] += len(req.generated_tokens)
+        if req.failed():
+            self._counters["samples_failed"] += 1
+            n = self._counters["samples_failed"]
+            if n <= 10 or n % 100 == 0:  # bounded log volume under a storm of failures
+                log.warning(
+                    "request %d failed (%d so far): %s", req.request_id, n, request_error(req)
+                )
         g = self._groups.get(gid)
         if g is None:  # group dropped meanwhile
             return
-        req = record.merge()
-        s = sample_from_request(req, gid, index, g.metadata)
-        self._counters["tokens_generated"] += len(s.completion_tokens)
-        self._counters["samples_failed"] += int(s.failed)
         with self._cv:
-            g.samples[index] = s
-            g.finished_at[index] = self._num_updates
+            g.records[index] = req
             if g.complete and g.for_collect:
                 self._ready.append(gid)
             self._cv.notify_all()
 
     def _filter_stale(self, g: Group) -> list[Sample] | None:
-        """Age the group to now; None if it went back for regeneration or was dropped."""
-        samples = age_group(g, self._num_updates)
+        """The group's samples as of now; None if it went back for regeneration or was dropped."""
+        samples = hand_out(g, self._history)
         stale = stale_indices(samples, self.config.max_staleness)
         if not stale:
             self._counters["groups_out"] += 1
@@ -478,9 +531,8 @@ class RolloutManager(EngineDriver):
             self._counters["groups_dropped_stale"] += 1
             return None
         for i in stale:  # regenerate only the stale members; the group waits for them
-            g.samples[i] = None
+            g.records[i] = None
             self._counters["samples_regenerated"] += 1
-        g.finished_at = [self._num_updates] * len(g.samples)
         self._groups[g.gid] = g
         self._call_later(lambda: [self._submit_sample(g, i) for i in stale])
         return None

@@ -259,10 +259,11 @@ def staleness_summary(
 ) -> dict[str, Any]:
     """Token-weighted staleness statistics of the trained tokens.
 
-    `policy`/`kv`: per-token staleness (weight updates between the version that produced a token /
-    its KV and the current one), one tensor per sample or one flat tensor; pass the completion
-    slice. Every token counts once, so long samples weigh more than short ones (that is what the
-    loss sees). Returns staleness/{policy,kv}_{mean,max,p50,p99,stale_frac}, staleness/tokens and,
+    `policy`/`kv`: per-token staleness as `Sample.policy_staleness`/`kv_staleness` define it
+    (docs/internals.md, "Staleness"), one tensor or list per sample or one flat tensor; pass the
+    completion slice. The one summary behind every `staleness/{policy,kv}_*` key (the manager's
+    `stats()` and the recipes' batch metrics). Every token counts once, so long samples weigh
+    more than short ones (that is what the loss sees). Returns staleness/{policy,kv}_{mean,max,p50,p99,stale_frac}, staleness/tokens and,
     with `histograms`, wandb.Histogram objects under staleness/{policy,kv}_hist.
     """
     out: dict[str, Any] = {}

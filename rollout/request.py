@@ -225,7 +225,10 @@ class DynamicInferenceRequest(InferenceRequest):
 
     `generated_weight_versions[i]` is the weight version that sampled `generated_tokens[i]`.
     `policy_staleness`/`kv_cache_staleness` are int32 per-token counters over prompt + generated:
-    how many weight updates happened since the token was sampled / since its KV was computed.
+    how many weight updates the engine applied since the token was sampled / since its KV was
+    computed, relative to the engine's weights `staleness_version` (stamped when the record
+    leaves the engine; None = never stamped). The trainer-facing staleness is derived from these
+    at hand-out (rollout.staleness; definitions in docs/internals.md, "Staleness").
     """
 
     generated_weight_versions: list[int] = field(default_factory=list)
@@ -239,9 +242,13 @@ class DynamicInferenceRequest(InferenceRequest):
     ttft: float | None = None
     latency: float | None = None
     last_token_time: float | None = None  # carried across checkpoints so tpot stays continuous
+    staleness_version: int | None = None  # engine weights the staleness counters are relative to
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        sv = self.staleness_version
+        if sv is not None and (isinstance(sv, bool) or not isinstance(sv, (int, np.integer))):
+            raise ValueError(f"staleness_version must be an int or None, got {sv!r}")
         if self.policy_staleness is not None:
             self.policy_staleness = _as_staleness("policy_staleness", self.policy_staleness)
         if self.kv_cache_staleness is not None:
@@ -375,11 +382,20 @@ class DynamicInferenceRequest(InferenceRequest):
         self._add_error(error, False)
 
     def failed(self) -> bool:
-        """FAILED status, a FAIL event or a non-transient error (transient errors were retried)."""
+        """FAILED status, a FAIL event or a non-transient error (transient errors were retried).
+
+        Deliberately wider than `status == FAILED`: a merged record takes its status from the
+        last segment, so a segment that failed before a retry succeeded still marks the whole
+        request failed (its tokens are not one clean generation), and an error event recorded
+        without a status change (a client-side failure) counts too. docs/internals.md lists the
+        cases.
+        """
         bad = (DynamicInferenceEventType.FAIL, DynamicInferenceEventType.ERROR_NONTRANSIENT)
         return self.status == Status.FAILED or any(e.type in bad for e in self.events)
 
     def succeeded(self) -> bool:
+        """Exactly `not failed()`: a WAITING or ACTIVE record (not finished yet) "succeeded"
+        too; check `status == COMPLETED` for "finished and fine"."""
         return not self.failed()
 
 
@@ -454,6 +470,7 @@ class DynamicInferenceRequestRecord:
             block_size_tokens=old.block_size_tokens,
             enable_prefix_caching=old.enable_prefix_caching,
             last_token_time=old.last_token_time,
+            staleness_version=old.staleness_version,
         )
         self.requests.append(new)
         return new
@@ -461,7 +478,10 @@ class DynamicInferenceRequestRecord:
     def merge(self) -> DynamicInferenceRequest:
         """One checkpoint-agnostic request, equal to an uninterrupted run of the same generation.
 
-        Staleness tensors (if any) are zero-padded to cover every prompt + generated token.
+        Staleness tensors (if any) are zero-padded to cover every prompt + generated token and,
+        with `staleness_version`, come from the last segment (the one that left the engine).
+        Events keep segment order (each segment's events as recorded, segments in order), never
+        re-sorted by timestamp: clocks step back and hosts disagree.
         """
         if not self.requests:
             raise ValueError("cannot merge an empty record")
@@ -475,7 +495,6 @@ class DynamicInferenceRequestRecord:
             return None if t is None else _grow(t, n, t.device).clone()
 
         texts = [r.generated_text for r in segs]
-        events = sorted(cat("events"), key=lambda e: e.timestamp)  # stable: ties keep order
         return DynamicInferenceRequest(
             request_id=first.request_id,
             prompt=first.prompt,
@@ -497,10 +516,11 @@ class DynamicInferenceRequestRecord:
             block_size_tokens=first.block_size_tokens,
             enable_prefix_caching=first.enable_prefix_caching,
             precomputed_block_hashes=list(first.precomputed_block_hashes),
-            events=events,
+            events=cat("events"),
             ttft=_first_not_none([r.ttft for r in segs]),
             latency=self.latency if self.latency is not None else last.latency,
             last_token_time=last.last_token_time,
+            staleness_version=last.staleness_version,
         )
 
     def _merged_prompt_log_probs(self) -> list[float] | None:

@@ -1,19 +1,23 @@
 """`Sample`: one finished completion as a trainer sees it, and `collate` to batch them.
 
-A sample is cut from a merged request record. Staleness is counted in weight updates and is
-relative to the weights current when the sample is handed to the trainer: the engine's counters
-at finish time plus the updates that happened while the sample waited in a queue (async mode).
+A sample is cut from a merged request record when it is handed to the trainer. Staleness is
+counted in weight updates and is relative to the manager's weights at that moment; it is
+computed by `rollout.staleness.completion_staleness` (definitions: docs/internals.md,
+"Staleness").
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rollout.request import DynamicInferenceEventType, DynamicInferenceRequest
+
+if TYPE_CHECKING:
+    from rollout.staleness import CompletionStaleness
 
 
 @dataclasses.dataclass
@@ -29,12 +33,14 @@ class Sample:
     policy_staleness: list[int]  # per completion token: updates since it was sampled
     kv_staleness: list[int]  # per completion token: updates since its KV was computed
     token_versions: list[int]  # weight version that sampled each completion token
+    kv_versions: list[int]  # weight version that computed each completion token's KV
     weight_versions: list[int]  # sorted unique versions the completion spans
     finish_reason: str | None
     num_evictions: int = 0
     reward: Any = None
     metadata: Any = None  # whatever came with the prompt (a dict item's other keys)
     failed: bool = False
+    error: str | None = None  # why it failed (the record's last error event)
     token_times: list[float] = dataclasses.field(default_factory=list, repr=False)  # wall clock
 
     @property
@@ -49,47 +55,47 @@ class Sample:
     def num_tokens(self) -> int:
         return len(self.prompt_tokens) + len(self.completion_tokens)
 
-    def age(self, updates: int) -> None:
-        """`updates` more weight updates happened since the counters were taken."""
-        if updates:
-            self.policy_staleness = [s + updates for s in self.policy_staleness]
-            self.kv_staleness = [s + updates for s in self.kv_staleness]
-
-
-def _completion_counts(t: torch.Tensor | None, start: int, n: int) -> list[int]:
-    if t is None:
-        return [0] * n
-    vals = t[start : start + n].tolist()
-    return vals + [0] * (n - len(vals))  # positions the engine never tracked saw no update
-
 
 def sample_from_request(
-    req: DynamicInferenceRequest, group_id: int, index: int, metadata: Any = None
+    req: DynamicInferenceRequest,
+    group_id: int,
+    index: int,
+    metadata: Any,
+    staleness: CompletionStaleness,
 ) -> Sample:
-    """Cut a Sample from a merged (checkpoint-free) request."""
+    """Cut a Sample from a merged (checkpoint-free) request and its per-token staleness."""
     prompt = [] if req.prompt_tokens is None else req.prompt_tokens.tolist()
-    gen = list(req.generated_tokens)
-    start, n = len(prompt), len(gen)
     evictions = sum(e.type == DynamicInferenceEventType.EVICT for e in req.events)
+    failed = req.failed()
     return Sample(
         group_id=group_id,
         index=index,
         request_id=req.request_id,
         prompt=req.prompt,
         prompt_tokens=prompt,
-        completion_tokens=gen,
+        completion_tokens=list(req.generated_tokens),
         completion_text=req.generated_text,
         logprobs=list(req.generated_log_probs),
-        policy_staleness=_completion_counts(req.policy_staleness, start, n),
-        kv_staleness=_completion_counts(req.kv_cache_staleness, start, n),
-        token_versions=list(req.generated_weight_versions),
+        policy_staleness=staleness.policy,
+        kv_staleness=staleness.kv,
+        token_versions=staleness.token_versions,
+        kv_versions=staleness.kv_versions,
         weight_versions=req.weight_versions,
-        finish_reason="failed" if req.failed() else req.stop_reason,
+        finish_reason="failed" if failed else req.stop_reason,
         num_evictions=evictions,
         metadata=metadata,
-        failed=req.failed(),
+        failed=failed,
+        error=request_error(req) if failed else None,
         token_times=_token_times(req),
     )
+
+
+def request_error(req: DynamicInferenceRequest) -> str:
+    """The last error event's "type: message", or why the record counts as failed."""
+    for e in reversed(req.events):
+        if isinstance(e.payload, dict) and "message" in e.payload:
+            return f"{e.payload.get('type', 'Error')}: {e.payload['message']}"
+    return f"request failed (status {req.status.name})"
 
 
 def _token_times(req: DynamicInferenceRequest) -> list[float]:

@@ -1,57 +1,133 @@
-"""Staleness of handed-out samples, counted in weight updates.
+"""Per-token staleness at hand-out, and the `max_staleness` filter.
 
-A `Group` (one prompt's n samples in flight) remembers the manager's update count when each
-sample finished. At hand-out its samples are aged to now (`age_group`); `stale_indices` picks the
-ones over `max_staleness` (the manager drops the whole group, since GRPO advantages need complete
-groups, or regenerates just those samples); `staleness_stats` summarises a collected batch.
+A group's merged request records wait in the manager until the trainer takes them. Only then
+(`hand_out`) are they cut into Samples whose per-token staleness is computed, in one place
+(`completion_staleness`), from each token's own weight versions against the manager's version
+history at that moment: no update count is taken when a record arrives, so it does not matter
+how late a record reaches the manager (dp > 1, async) or how long it waits. The definitions are
+in docs/internals.md ("Staleness"). `stale_indices` picks the samples over the bound (the
+manager drops their whole group or regenerates just those samples).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Any
 
-from rollout.samples import Sample
+from rollout.request import DynamicInferenceRequest
+from rollout.samples import Sample, sample_from_request
 from rollout.sampling import SamplingParams
+
+
+class VersionHistory:
+    """The manager's weight versions in the order it applied them: `initial`, then every version
+    passed to update_weights. `updates_at(v)` is U(v), the number of updates applied up to and
+    including v; staleness is counted in updates, so version jumps (7 -> 10) count as one."""
+
+    def __init__(self, initial: int) -> None:
+        self.versions = [int(initial)]
+
+    def append(self, version: int) -> None:
+        if version <= self.versions[-1]:
+            raise ValueError(f"weight version must increase: {version} after {self.versions[-1]}")
+        self.versions.append(int(version))
+
+    @property
+    def current(self) -> int:
+        return self.versions[-1]
+
+    @property
+    def num_updates(self) -> int:
+        return len(self.versions) - 1
+
+    def updates_at(self, version: int) -> int:
+        """U(version). A version the manager never applied counts as the last one before it."""
+        return max(bisect.bisect_right(self.versions, version) - 1, 0)
+
+    def version_at(self, updates: int) -> int:
+        """The version current after `updates` updates (clamped to the history)."""
+        return self.versions[min(max(updates, 0), len(self.versions) - 1)]
+
+
+@dataclasses.dataclass
+class CompletionStaleness:
+    """Per completion token: sampling version, KV version, and their staleness as of hand-out."""
+
+    token_versions: list[int]
+    kv_versions: list[int]
+    policy: list[int]
+    kv: list[int]
+
+
+def completion_staleness(
+    req: DynamicInferenceRequest, history: VersionHistory
+) -> CompletionStaleness:
+    """The one place per-token staleness is computed (definitions: docs/internals.md).
+
+    policy_i = U(now) - U(v_i), v_i = the version that sampled token i.
+    kv_i = U(now) - U(k_i), k_i = the version that computed the KV held for token i's position
+    when the request left its engine: U(k_i) = U(staleness_version) - kv counter i (the engine's
+    per-position count of updates since that KV was computed). A record no engine stamped (none
+    of its KV was ever kept) has k_i = v_i. KV is never older than its token (U(k_i) >= U(v_i)).
+    """
+    versions = list(req.generated_weight_versions)
+    start, n = req.prompt_length, len(req.generated_tokens)
+    if len(versions) != n:
+        raise ValueError(
+            f"request {req.request_id}: {len(versions)} weight versions for {n} generated tokens"
+        )
+    now = history.num_updates
+    sampled = [history.updates_at(v) for v in versions]
+    if req.staleness_version is None:
+        computed = list(sampled)
+    else:
+        base = history.updates_at(req.staleness_version)
+        counts = _counters(req, start, n)
+        computed = [max(base - c, u) for c, u in zip(counts, sampled, strict=True)]
+    return CompletionStaleness(
+        token_versions=versions,
+        kv_versions=[history.version_at(u) for u in computed],
+        policy=[now - u for u in sampled],
+        kv=[now - u for u in computed],
+    )
+
+
+def _counters(req: DynamicInferenceRequest, start: int, n: int) -> list[int]:
+    """The engine's KV counters of the completion positions (positions never tracked: 0)."""
+    t = req.kv_cache_staleness
+    vals = [] if t is None else t[start : start + n].tolist()
+    return vals + [0] * (n - len(vals))
 
 
 @dataclasses.dataclass
 class Group:
+    """One GRPO group in the manager: the merged record of each member once it finished."""
+
     gid: int
     prompt: Any
     metadata: Any
     sampling_params: SamplingParams
-    samples: list[Sample | None]
-    finished_at: list[int]  # manager update count when each sample finished
+    records: list[DynamicInferenceRequest | None]
     for_collect: bool = True
 
     @property
     def complete(self) -> bool:
-        return all(s is not None for s in self.samples)
+        return all(r is not None for r in self.records)
 
 
-def age_group(g: Group, num_updates: int) -> list[Sample]:
-    """Age every sample by the updates since it finished; the samples in index order."""
-    for s, at in zip(g.samples, g.finished_at, strict=True):
-        s.age(num_updates - at)
-    return list(g.samples)
+def hand_out(g: Group, history: VersionHistory) -> list[Sample]:
+    """The group's samples, in index order, with staleness as of now."""
+    return [
+        sample_from_request(req, g.gid, i, g.metadata, completion_staleness(req, history))
+        for i, req in enumerate(g.records)
+    ]
 
 
 def stale_indices(samples: list[Sample], bound: int | None) -> list[int]:
-    """Indices of samples whose per-token policy staleness exceeds `bound` (None: no bound)."""
-    return [s.index for s in samples if bound is not None and s.max_policy_staleness > bound]
-
-
-def staleness_stats(samples: list[Sample]) -> dict[str, float]:
-    """`staleness/*` metrics over every token of a batch ({} for a batch without tokens)."""
-    pol = [x for s in samples for x in s.policy_staleness]
-    kv = [x for s in samples for x in s.kv_staleness]
-    if not pol:
-        return {}
-    return {
-        "staleness/policy_token_mean": sum(pol) / len(pol),
-        "staleness/policy_max": max(pol),
-        "staleness/kv_token_mean": sum(kv) / len(kv),
-        "staleness/kv_max": max(kv),
-        "staleness/versions_per_sample_max": max(len(s.weight_versions) for s in samples),
-    }
+    """Indices of samples holding a token (or KV) staler than `bound` (None: no bound)."""
+    if bound is None:
+        return []
+    return [
+        s.index for s in samples if s.max_policy_staleness > bound or s.max_kv_staleness > bound
+    ]

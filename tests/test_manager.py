@@ -271,7 +271,7 @@ def test_stats_describe_the_whole_batch_not_its_last_group():
     tokens = [x for s in batch for x in s.policy_staleness]
     assert max(tokens) >= 1 and batch[-1].max_policy_staleness == 0  # mixed on purpose
     assert stats["staleness/policy_max"] == max(tokens)
-    assert stats["staleness/policy_token_mean"] == pytest.approx(sum(tokens) / len(tokens))
+    assert stats["staleness/policy_mean"] == pytest.approx(sum(tokens) / len(tokens))
 
 
 # ------------------------------------------------------------------------------ async mode

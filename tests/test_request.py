@@ -406,12 +406,58 @@ def test_merge_generated_text_and_latency():
     assert rec.merge().latency == 4.0
 
 
-def test_merge_orders_events_by_time():
+def test_merge_keeps_segment_order_when_the_clock_steps_back():
+    """Events are concatenated segment by segment as recorded: a clock that stepped back (or a
+    segment from a host whose clock lags) must not reorder ADD, FAIL into FAIL, ADD."""
     rec = DynamicInferenceRequestRecord.from_request(make(n=4))
-    rec[0].events.append(DynamicInferenceEvent(ET.ADD_ENGINE, 5.0))
+    rec[0].events += [
+        DynamicInferenceEvent(ET.ADD_ENGINE, 5.0),
+        DynamicInferenceEvent(ET.EVICT, 6.0),
+    ]
     rec.checkpoint()
-    rec[1].events += [DynamicInferenceEvent(ET.EVICT, 3.0), DynamicInferenceEvent(ET.FINISH, 5.0)]
-    assert [e.type for e in rec.merge().events] == [ET.EVICT, ET.ADD_ENGINE, ET.FINISH]
+    rec[1].events += [
+        DynamicInferenceEvent(ET.ADD_ENGINE, 3.0),
+        DynamicInferenceEvent(ET.FAIL, 2.0),
+    ]
+    merged = rec.merge()
+    assert [e.type for e in merged.events] == [ET.ADD_ENGINE, ET.EVICT, ET.ADD_ENGINE, ET.FAIL]
+    assert [e.timestamp for e in merged.events] == [5.0, 6.0, 3.0, 2.0]
+    assert DynamicInferenceRequestRecord.from_bytes(rec.to_bytes()).merge() == merged
+
+
+def test_staleness_version_carried_by_checkpoint_merge_and_wire():
+    rec = DynamicInferenceRequestRecord.from_request(make(n=4))
+    rec[0].staleness_version = 3
+    rec.checkpoint()
+    assert rec[1].staleness_version == 3  # counters carried, so is what they are relative to
+    rec[1].staleness_version = 5
+    assert rec.merge().staleness_version == 5  # the segment that left the engine last
+    back = DynamicInferenceRequestRecord.from_bytes(rec.to_bytes())
+    assert [r.staleness_version for r in back.requests] == [3, 5] and back == rec
+    with pytest.raises(ValueError, match="staleness_version"):
+        DynamicInferenceRequest(1, staleness_version="5")
+
+
+def test_failed_is_wider_than_the_status():
+    """The documented differences between failed() and `status == FAILED`."""
+    ok = make(n=2)
+    ok.status = Status.COMPLETED
+    assert ok.succeeded() and not ok.failed()
+    evented = make(n=2)
+    evented.status = Status.COMPLETED
+    evented.add_event_error_nontransient(RuntimeError("lost"))  # error without a status change
+    assert evented.failed()
+    retried = make(n=2)
+    retried.add_event_error_transient(RuntimeError("blip"))  # transient: it was retried
+    retried.status = Status.COMPLETED
+    assert retried.succeeded()
+    rec = DynamicInferenceRequestRecord.from_request(make(n=4))
+    rec[0].add_event_fail()
+    rec.checkpoint()
+    rec[1].status = Status.COMPLETED
+    merged = rec.merge()
+    assert merged.status == Status.COMPLETED and merged.failed()  # an earlier segment failed
+    assert make(n=2).succeeded()  # still waiting: not failed, not finished either
 
 
 def test_record_basics_and_errors():
