@@ -248,6 +248,7 @@ class DynamicInferenceEngine:
         req.add_event_error_nontransient(error)
         req.add_event_fail()
         req.latency = record.latency = time.time() - req.arrival_time
+        req.staleness_version = self.weight_version  # what its staleness counters count from
         self.counters["requests_failed"] += 1
         self._done.append(record)
 
@@ -369,6 +370,7 @@ class DynamicInferenceEngine:
             r.generated_text = ""
         req.generated_text = _detokenize(self.tokenizer, seq.tokens[seq.first_prompt_len :])
         req.latency = record.latency = time.time() - req.arrival_time
+        req.staleness_version = self.weight_version  # what its staleness counters count from
         self.counters["requests_finished"] += 1
 
     def _register_blocks(self, batch: ScheduledBatch) -> None:
