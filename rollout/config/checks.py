@@ -80,13 +80,28 @@ def _check_model(run: RunConfig, errors: list[str]) -> None:
         )
     if m.device != "auto":
         try:
-            torch.device(m.device)
+            device = torch.device(m.device)
         except (RuntimeError, TypeError):
             errors.append(
                 f"model.device={m.device!r} is not a torch device; use cpu, cuda, cuda:N or auto"
             )
+        else:
+            _check_cuda(device, errors)
     _need(errors, m.tokenizer is not None or bool(m.path),
           "model.tokenizer=null means 'the tokenizer in model.path', but model.path is not set")  # fmt: skip
+
+
+def _check_cuda(device: torch.device, errors: list[str]) -> None:
+    """Asking for CUDA (model.device=cuda, which engine=gpu sets) on a machine without it is an
+    error, not a quiet fallback: a CPU run sized for a GPU looks like a hang."""
+    if device.type != "cuda" or torch.cuda.is_available():
+        return
+    why = "this torch is a CPU-only build" if torch.version.cuda is None else "no GPU is visible"
+    errors.append(
+        f"model.device={str(device)!r} but CUDA is not available ({why}, torch "
+        f"{torch.__version__}); to run on the CPU drop engine=gpu (engine=default is the CPU "
+        "group) or set model.device=cpu"
+    )
 
 
 def _check_engine(run: RunConfig, errors: list[str]) -> None:

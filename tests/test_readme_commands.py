@@ -1,0 +1,400 @@
+"""Every command README.md documents, run as written: a README line no test runs can rot.
+
+`test_every_readme_command_is_covered` parses the README (```bash blocks, inline commands, and
+the overrides in the "Growing from the embedded default" table) and fails on any command that
+`COVERED` does not map to a test here. Each test takes its command text from the README itself,
+fills in placeholders (a checkpoint path, an address), and appends short-run Hydra overrides
+(later overrides win), so it runs the documented command, not a paraphrase.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollout.client import InferenceClient
+from rollout.config import ConfigError, compose, validate
+from rollout.metrics import NAMESPACES
+from rollout.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+GROWING_HEADING = "### Growing from the embedded default"
+COMMAND_WORDS = ("bash ", "python ", "pytest ", "rollout ", "torchrun", "pip ")
+# A couple of seconds of work per recipe run: 2 groups x 4 samples, 2 RL steps, no eval.
+SHORT = [
+    "trainer.steps=2", "trainer.warmup_sft_steps=2", "trainer.batch=4",
+    "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=6",
+    "recipe.eval_every=0", "logger=disabled",
+]  # fmt: skip
+
+# README command -> the test in this module that runs it.
+COVERED = {
+    "bash scripts/main.sh": "test_main_sh_runs_the_main_job",
+    "bash scripts/main.sh trainer.steps=100 rollout.samples_per_prompt=4": "test_main_sh_runs_the_main_job",
+    "bash scripts/test.sh": "test_test_sh_runs_pytest",
+    "python -m pytest -q": "test_test_sh_runs_pytest",
+    "python -m recipes.grpo_reverse": "test_main_job_recipe",
+    "python -m recipes.grpo_reverse_async": "test_async_recipe",
+    "python -m recipes.grpo_reverse -m trainer.lr=1e-3,2e-3": "test_multirun",
+    "pytest -m slow tests/test_recipes.py": "test_slow_recipe_selection",
+    "rollout.dp=2": "test_more_engines",
+    "model=hf_dir model.path=/ckpt/Qwen2.5-0.5B-Instruct": "test_hf_dir_checkpoint",
+    "engine=gpu": "test_engine_gpu",
+    "rollout serve --model DIR|tiny --dp N [--port P] [--policy NAME]": "test_serve_synopsis",
+    "rollout serve --model DIR --host 0.0.0.0 --auth-token S": "test_serve_with_remote_engine",
+    "rollout engine --coordinator tcp://HOST:PORT --rank R --model DIR --auth-token S": "test_serve_with_remote_engine",
+    "python -m recipes.grpo_reverse -m hydra/launcher=submitit_slurm trainer.lr=1e-3,3e-3": "test_slurm_sweep_row",
+}  # fmt: skip
+# README commands no test runs, each with the reason; keep this short.
+NOT_RUN = {
+    "pip install hydra-submitit-launcher": "installs a package from the network",
+    "torchrun": "a launcher name in prose, not a command line",
+}
+
+
+def readme_commands(text: str) -> list[str]:
+    """Commands in `text`: lines of ```bash blocks, inline spans that start with a command word,
+    and the Hydra overrides in the "Growing from the embedded default" table."""
+    found: list[str] = []
+    fence: str | None = None
+    in_growing = False
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("```"):
+            fence = None if fence is not None else stripped[3:]
+            continue
+        if fence is not None:
+            if fence == "bash" and stripped and not stripped.startswith("#"):
+                found.append(stripped)
+            continue
+        if line.startswith("#"):
+            in_growing = line.strip() == GROWING_HEADING
+        for span in re.findall(r"`([^`]+)`", line):
+            span = span.strip()
+            override = in_growing and line.startswith("|") and re.match(r"[\w.+~/]+=\S", span)
+            if span.startswith(COMMAND_WORDS) or override:
+                found.append(span)
+    return list(dict.fromkeys(found))
+
+
+def readme_command(test_name: str, contains: str = "") -> str:
+    """The README command that `COVERED` gives to `test_name`: the one equal to `contains`, else
+    the one containing it."""
+    cmds = [c for c, t in COVERED.items() if t == test_name and contains in c]
+    cmds = [contains] if contains in cmds else cmds
+    assert len(cmds) == 1, (test_name, contains, cmds)
+    assert cmds[0] in readme_commands(README), f"{cmds[0]!r} is no longer in README.md"
+    return cmds[0]
+
+
+def argv_of(command: str, **placeholders: str) -> tuple[list[str], dict[str, str]]:
+    """(argv, env) for a README command: placeholders replaced, leading NAME=value words as
+    environment, `python`/`rollout`/`pytest` resolved in this interpreter's environment.
+    A bare override line ("rollout.dp=2") runs the main job with it."""
+    for key, value in placeholders.items():  # whole placeholders only: R is not the R of DIR
+        command = re.sub(rf"(?<![A-Za-z0-9_]){re.escape(key)}(?![A-Za-z0-9_])", value, command)
+    words = shlex.split(command)
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"}
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
+    if words[0] not in ("bash", "python", "pytest", "rollout"):
+        words = ["python", "-m", "recipes.grpo_reverse", *words]
+    bindir = Path(sys.executable).parent
+    head = {
+        "python": [sys.executable],
+        "pytest": [sys.executable, "-m", "pytest"],
+        "rollout": [str(bindir / "rollout")],
+        "bash": ["bash"],
+    }[words[0]]
+    return [*head, *words[1:]], env
+
+
+def run(argv: list[str], env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess:
+    out = subprocess.run(
+        argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    assert out.returncode == 0, f"{shlex.join(argv)}\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
+    return out
+
+
+def run_recipe(command: str, out_dir: Path, *extra: str, **placeholders: str) -> dict:
+    """Run a recipe command with SHORT overrides into `out_dir`; returns its metrics.json."""
+    argv, env = argv_of(command, **placeholders)
+    run([*argv, *SHORT, *extra, f"hydra.run.dir={out_dir}"], env)
+    return json.loads((out_dir / "metrics.json").read_text())
+
+
+def train_rows(saved: dict) -> list[dict]:
+    return [r for r in saved["history"] if "train/loss" in r]
+
+
+# -- the README itself -----------------------------------------------------------------------------
+
+
+def test_every_readme_command_is_covered():
+    commands = readme_commands(README)
+    assert "bash scripts/main.sh" in commands and "engine=gpu" in commands  # the parser works
+    missing = [c for c in commands if c not in COVERED and c not in NOT_RUN]
+    assert not missing, f"README commands no test runs (add them to COVERED): {missing}"
+    stale = [c for c in [*COVERED, *NOT_RUN] if c not in commands]
+    assert not stale, f"COVERED/NOT_RUN entries no longer in README.md: {stale}"
+    tests = {name for name, obj in globals().items() if name.startswith("test_") and callable(obj)}
+    assert set(COVERED.values()) <= tests, set(COVERED.values()) - tests
+
+
+def test_readme_lists_the_metric_namespaces():
+    """The README's namespace list is `rollout.metrics.NAMESPACES`, no more, no less."""
+    m = re.search(r"logs to W&B under (.*?)`rollout\.metrics\.NAMESPACES`", README, re.S)
+    assert m, "README.md no longer lists the namespaces the recipe logs under"
+    assert set(re.findall(r"`(\w+)/\*`", m.group(1))) == set(NAMESPACES)
+
+
+# -- the main job ----------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_main_job_recipe(tmp_path):
+    saved = run_recipe(readme_command("test_main_job_recipe"), tmp_path / "run")
+    assert saved["summary"]["mode"] == "colocated" and saved["summary"]["steps"] == 2
+    assert len(train_rows(saved)) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_async_recipe(tmp_path):
+    saved = run_recipe(readme_command("test_async_recipe"), tmp_path / "run")
+    assert saved["summary"]["mode"] == "async" and len(train_rows(saved)) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_multirun(tmp_path):
+    argv, env = argv_of(readme_command("test_multirun"))
+    run([*argv, *SHORT, f"hydra.sweep.dir={tmp_path}"], env)
+    lrs = [json.loads((tmp_path / j / "metrics.json").read_text())["config"]["trainer"]["lr"]
+           for j in ("0", "1")]  # fmt: skip
+    assert lrs == [1e-3, 2e-3]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_main_sh_runs_the_main_job(tmp_path):
+    """Installs into .venv (scripts/setup_env.sh) like a fresh machine, then runs the recipe."""
+    for i, command in enumerate(
+        c for c, t in COVERED.items() if t == "test_main_sh_runs_the_main_job"
+    ):
+        argv, env = argv_of(readme_command("test_main_sh_runs_the_main_job", command))
+        out_dir = tmp_path / str(i)
+        run([*argv, *SHORT, f"hydra.run.dir={out_dir}"], env, timeout=540)
+        saved = json.loads((out_dir / "metrics.json").read_text())
+        assert saved["summary"]["steps"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_test_sh_runs_pytest():
+    """scripts/test.sh is `python -m pytest -q` after setup; both run here on one small file."""
+    for command in ("bash scripts/test.sh", "python -m pytest -q"):
+        argv, env = argv_of(readme_command("test_test_sh_runs_pytest", command))
+        out = run([*argv, "-p", "no:cacheprovider", "tests/test_sampling.py"], env, timeout=540)
+        assert re.search(r"\d+ passed", out.stdout), out.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_slow_recipe_selection():
+    """`pytest -m slow tests/test_recipes.py` selects the learning run (collected, not run)."""
+    argv, env = argv_of(readme_command("test_slow_recipe_selection"))
+    out = run([*argv, "--collect-only", "-q", "-p", "no:cacheprovider"], env, timeout=120)
+    assert "test_default_recipe_learns" in out.stdout, out.stdout[-2000:]
+
+
+# -- growing from the embedded default -------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_more_engines(tmp_path):
+    """dp engine processes behind the coordinator; coordinator counters are logged too."""
+    command = readme_command("test_more_engines")
+    dp = int(command.partition("=")[2])
+    saved = run_recipe(command, tmp_path / "run")
+    rows = train_rows(saved)
+    assert len(rows) == 2 and saved["summary"]["final_version"] == 2
+    assert all(r["engine/num_engines"] == dp for r in rows)
+    assert all(r["coordinator/requests"] >= 8 for r in rows), rows[-1]
+
+
+def make_checkpoint(path: Path, architecture: str, bos: bool) -> Path:
+    """A tiny random checkpoint in HF layout with a byte-level BPE tokenizer.json. Without `bos`
+    it is shaped like Qwen2.5's files: no bos token, eos <|im_end|>, pad <|endoftext|>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from rollout.models import ModelConfig, build_model, save_pretrained
+
+    specials = ["<unk>", "<s>", "</s>"] if bos else ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=290, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tok.train_from_iterator(["0123456789>+=", "123>321", "12+34=46"], trainer)
+    path.mkdir(parents=True)
+    tok.save(str(path / "tokenizer.json"))
+    names = ({"bos_token": "<s>", "eos_token": "</s>"} if bos else
+             {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})  # fmt: skip
+    (path / "tokenizer_config.json").write_text(json.dumps(names))
+    config = ModelConfig.preset("tiny", vocab_size=tok.get_vocab_size(), architecture=architecture)
+    save_pretrained(build_model(config, seed=0), config, path)
+    return path
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "architecture, bos",
+    [("qwen2", False), pytest.param("llama", True, marks=pytest.mark.slow)],
+)
+def test_hf_dir_checkpoint(tmp_path, architecture, bos):
+    """A saved Llama / Qwen2 folder through the recipe; Qwen2's tokenizer has no bos token."""
+    from rollout.config.builders import task_of
+    from rollout.tokenizers import load_tokenizer
+
+    ckpt = make_checkpoint(tmp_path / architecture, architecture, bos)
+    tok = load_tokenizer(ckpt)
+    assert (tok.bos_id is not None) == bos
+    command = readme_command("test_hf_dir_checkpoint")
+    placeholder = {"/ckpt/Qwen2.5-0.5B-Instruct": str(ckpt)}
+    task = task_of(validate(compose(argv_of(command, **placeholder)[0][3:])))
+    example = task.make_example(random.Random(0))
+    bos_prefix = [tok.bos_id] if bos else []
+    assert task.prompt_ids(example, tok) == [*bos_prefix, *tok.encode(example.prompt)]
+    saved = run_recipe(command, tmp_path / "run", **placeholder)
+    assert saved["config"]["model"]["path"] == str(ckpt)
+    assert len(train_rows(saved)) == 2 and saved["summary"]["final_version"] == 2
+
+
+def test_engine_gpu(tmp_path):
+    """engine=gpu asks for CUDA (bf16): without CUDA it is a config error before any work."""
+    overrides = shlex.split(readme_command("test_engine_gpu"))
+    cfg = compose(overrides)
+    assert cfg.model.device == "cuda" and cfg.model.dtype.name == "bfloat16"
+    if torch.cuda.is_available():
+        assert str(validate(cfg).model.device) == "cuda"
+        return
+    with pytest.raises(ConfigError, match=r"model\.device='cuda'.*CUDA is not available"):
+        validate(cfg)
+    argv, env = argv_of(readme_command("test_engine_gpu"))
+    out = subprocess.run([*argv, f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode != 0 and "CUDA is not available" in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / "metrics.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_slurm_sweep_row(tmp_path):
+    """The SLURM row's sweep through submitit's local executor (no SLURM here)."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    command = readme_command("test_slurm_sweep_row")
+    argv, env = argv_of(command, **{"submitit_slurm": "submitit_local"})
+    run([*argv, *SHORT, f"hydra.sweep.dir={tmp_path}"], env)
+    assert len(list(tmp_path.glob("*/metrics.json"))) == 2
+
+
+# -- rollout serve / rollout engine ----------------------------------------------------------------
+
+
+class Proc:
+    """A CLI process whose stdout is read line by line, killed on exit if still running."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        self.argv = argv
+        self.p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        self.seen: list[str] = []
+
+    def read_until(self, pattern: str) -> re.Match:
+        """Lines until one matches; fails when the process closes stdout (pytest-timeout bounds
+        a process that prints nothing)."""
+        for line in self.p.stdout:
+            self.seen.append(line)
+            if m := re.search(pattern, line):
+                return m
+        raise AssertionError(f"{shlex.join(self.argv)}: no {pattern!r} in\n{''.join(self.seen)}")
+
+    def stop(self) -> int:
+        self.p.send_signal(signal.SIGTERM)
+        return self.p.wait(60)
+
+    def __enter__(self) -> Proc:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait(10)
+
+
+async def serve_requests(address: str, token: str | None, engines: int) -> int:
+    """Wait for `engines` registered engines, then generate 8 x 3 tokens; returns tokens made."""
+    client = await InferenceClient(address, auth_token=token).start()
+    try:
+        while len((await client.stats())["engines"]) < engines:
+            await asyncio.sleep(0.05)  # the coordinator's own view; pytest-timeout bounds it
+        sp = SamplingParams(temperature=0.0, num_tokens_to_generate=3)
+        recs = await asyncio.gather(*[client.add_request([i + 1] * 5, sp) for i in range(8)])
+        return sum(len(r.merge().generated_tokens) for r in recs)
+    finally:
+        client.stop()
+
+
+@pytest.mark.timeout(180)
+def test_serve_with_remote_engine():
+    """The "several machines" row on one machine: serve, then an engine joins from another
+    process with the shared secret; requests are served by both; SIGTERM stops everything."""
+    token = "readme-secret"
+    subs = {"S": token, "R": "1", "DIR": "tiny"}
+    serve_argv, env = argv_of(readme_command("test_serve_with_remote_engine", "serve"), **subs)
+    with Proc(serve_argv, env) as serve:
+        address = serve.read_until(r"coordinator (tcp://\S+) pid")[1]
+        serve.read_until(r"^ready")
+        host_port = address.removeprefix("tcp://").replace("0.0.0.0", "127.0.0.1")
+        engine_argv, env = argv_of(readme_command("test_serve_with_remote_engine", "engine"),
+                                   **{"HOST:PORT": host_port, **subs})  # fmt: skip
+        with Proc(engine_argv, env) as engine:
+            engine.read_until(r"engine 1 pid \d+ -> tcp://")
+            assert asyncio.run(serve_requests(f"tcp://{host_port}", token, engines=2)) == 24
+            assert serve.stop() == 0
+            assert engine.p.wait(60) == 0, "the remote engine exits when its coordinator stops"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_serve_synopsis():
+    """`rollout serve --model tiny --dp 2 --port P --policy NAME` serves an InferenceClient."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    command = readme_command("test_serve_synopsis").replace("[", "").replace("]", "")
+    argv, env = argv_of(
+        command, **{"DIR|tiny": "tiny", "N": "2", "P": port, "NAME": "longest_prefix"}
+    )
+    with Proc(argv, env) as serve:
+        address = serve.read_until(r"coordinator (tcp://\S+) pid")[1]
+        assert address.endswith(f":{port}")
+        serve.read_until(r"^ready: 2 engine")
+        assert asyncio.run(serve_requests(address, None, engines=2)) == 24
+        assert serve.stop() == 0
