@@ -1,5 +1,6 @@
 """Trainer hooks drive a RolloutManager through real (tiny) training runs: plain loop, HF Trainer,
-Lightning. After every step the engine serves exactly the trainer's weights at a new version."""
+Lightning. After every step the engine serves exactly the trainer's weights at a new version, and
+in colocated mode every forward of the trained model runs with the engine's KV pool freed."""
 
 from __future__ import annotations
 
@@ -28,27 +29,16 @@ def _prompts():
         yield [i % 60 + 1, 3]
 
 
-class Spy(RolloutHooks):
-    """Records the engine state at each hook so the test can check the ordering contract."""
+def _record_kv_at_forward(model: torch.nn.Module, manager: RolloutManager) -> list[bool]:
+    """Every forward of the trained model records whether the engine's KV pool was released at
+    that moment (the manager suspended and the engine holding no KV tensor)."""
+    seen: list[bool] = []
 
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.events: list[tuple[str, bool, int]] = []
+    def probe(module, args):
+        seen.append(manager.suspended and manager.engine.kv_cache is None)
 
-    def _log(self, name: str) -> None:
-        self.events.append((name, self.manager.suspended, self.manager.version))
-
-    def on_step_start(self, step):
-        super().on_step_start(step)
-        self._log("start")
-
-    def on_before_optimizer(self, step):
-        super().on_before_optimizer(step)
-        self._log("optim")
-
-    def on_step_end(self, step, model=None):
-        super().on_step_end(step, model)
-        self._log("end")
+    model.register_forward_pre_hook(probe)
+    return seen
 
 
 def _setup(**kw):
@@ -71,7 +61,8 @@ def _assert_engine_has(manager: RolloutManager, model: torch.nn.Module) -> None:
 def test_plain_loop_three_steps():
     model, manager = _setup()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    hooks = Spy(manager, model, sync_on_start=True)
+    hooks = RolloutHooks(manager, model, sync_on_start=True)
+    seen = _record_kv_at_forward(model, manager)
     with manager:
         history = train(manager, model, opt, _prompts(), 3, 2, N, _reward, SP, hooks=hooks)
         assert len(history) == 3 and all(
@@ -81,21 +72,43 @@ def test_plain_loop_three_steps():
         assert manager.version == 4  # initial sync + 3 steps
         _assert_engine_has(manager, model)
         assert manager.suspended  # on_train_end: no KV outlives training
-    assert [e[0] for e in hooks.events] == ["start", "optim", "end"] * 3
-    for name, suspended, _ in hooks.events:
-        assert suspended == (name != "start")
-    assert [v for n, _, v in hooks.events if n == "end"] == [2, 3, 4]
+    assert seen == [True] * 3  # every forward ran with the KV pool already freed
+
+
+def test_rollout_phase_suspends_even_when_generation_fails():
+    model, manager = _setup()
+    hooks = RolloutHooks(manager, model)
+    with manager:
+        with pytest.raises(ValueError, match="batch_size_groups"), hooks.rollout():
+            assert not manager.suspended
+            manager.collect(_prompts(), 0, N, _reward, SP)
+        assert manager.suspended and manager.engine.kv_cache is None
+        assert len(hooks.collect(_prompts(), 1, N, _reward, SP)) == N  # resumes by itself
+        assert manager.suspended
+
+
+def test_generating_outside_the_rollout_phase_fails_at_the_optimizer_step():
+    model, manager = _setup()
+    hooks = RolloutHooks(manager, model)
+    with manager:
+        hooks.on_train_start(model)
+        samples = manager.collect(_prompts(), 1, N, _reward, SP)  # not hooks.collect
+        grpo_loss(model, samples, N)[0].backward()
+        with pytest.raises(RuntimeError, match=r"step 0: the colocated engines were still resumed"):
+            hooks.on_before_optimizer(0)
 
 
 def test_async_loop_does_not_suspend():
     model, manager = _setup(mode="async", max_staleness=1)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    seen = _record_kv_at_forward(model, manager)
     with manager:
         hooks = RolloutHooks(manager, model)
         history = train(manager, model, opt, _prompts(), 2, 2, N, _reward, SP, hooks=hooks)
         assert len(history) == 2 and manager.version == 2
         assert manager.stats()["rollout/suspends"] == 1  # only at train end
         _assert_engine_has(manager, model)
+    assert seen == [False, False]  # the engine kept generating through training
 
 
 def test_grpo_loss_needs_rewards():
@@ -114,10 +127,12 @@ def test_hf_trainer_callback(tmp_path):
     model, manager = _setup()
     prompts = _prompts()
     losses = []
+    callback = RolloutCallback(manager)
+    seen = _record_kv_at_forward(model, manager)
 
     class GRPOTrainer(transformers.Trainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            samples = manager.collect(prompts, 2, N, _reward, SP)
+            samples = callback.collect(prompts, 2, N, _reward, SP)
             loss, _ = grpo_loss(model, samples, N)
             losses.append(float(loss.detach()))
             return loss
@@ -135,13 +150,13 @@ def test_hf_trainer_callback(tmp_path):
         remove_unused_columns=False,
     )
     data = [{"step": torch.tensor(i)} for i in range(8)]
-    callback = RolloutCallback(manager)
     with manager:
         trainer = GRPOTrainer(model=model, args=args, train_dataset=data, callbacks=[callback])
         trainer.train()
         assert len(losses) == 3 and manager.version == 3
         assert manager.stats()["rollout/suspends"] >= 3
         _assert_engine_has(manager, model)
+    assert seen == [True] * 3  # each compute_loss forward ran with the KV pool freed
 
 
 def test_lightning_callback():
@@ -150,6 +165,8 @@ def test_lightning_callback():
 
     model, manager = _setup()
     prompts = _prompts()
+    callback = RolloutCallback(manager, model_attr="model")
+    seen = _record_kv_at_forward(model, manager)
 
     class Module(pl.LightningModule):
         def __init__(self):
@@ -157,7 +174,7 @@ def test_lightning_callback():
             self.model = model
 
         def training_step(self, batch, batch_idx):
-            samples = manager.collect(prompts, 2, N, _reward, SP)
+            samples = callback.collect(prompts, 2, N, _reward, SP)
             return grpo_loss(self.model, samples, N)[0]
 
         def configure_optimizers(self):
@@ -165,9 +182,10 @@ def test_lightning_callback():
 
     loader = torch.utils.data.DataLoader(list(range(8)), batch_size=1)
     with manager:
-        trainer = pl.Trainer(max_steps=3, callbacks=[RolloutCallback(manager, model_attr="model")],
-                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        trainer = pl.Trainer(max_steps=3, callbacks=[callback], logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False,
                              accelerator="cpu")  # fmt: skip
         trainer.fit(Module(), loader)
         assert manager.version == 3
         _assert_engine_has(manager, model)
+    assert seen == [True] * 3  # each training_step forward ran with the KV pool freed

@@ -1,8 +1,9 @@
 """Hugging Face `TrainerCallback` that drives a RolloutManager (extra: `hf`).
 
-Maps Trainer events onto `RolloutHooks`: on_step_begin -> resume, on_pre_optimizer_step ->
-suspend (colocated), on_step_end -> update_weights(model). The Trainer's own loss (e.g. a
-`compute_loss` override) calls `manager.collect()`.
+The Trainer's loss (e.g. a `compute_loss` override) generates through `callback.collect(...)`
+(or inside `with callback.rollout():`), which suspends the colocated engines as collection
+returns, before the loss's forward. Trainer events: on_pre_optimizer_step -> check the engines
+are suspended, on_step_end -> update_weights(model), on_train_end -> suspend (or close).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from trainer_hooks.hooks import RolloutHooks
 class RolloutCallback(TrainerCallback):
     def __init__(self, manager: RolloutManager, **hook_kwargs: Any) -> None:
         self.hooks = RolloutHooks(manager, **hook_kwargs)
+        self.collect = self.hooks.collect
+        self.rollout = self.hooks.rollout
 
     @property
     def manager(self) -> RolloutManager:
@@ -25,9 +28,6 @@ class RolloutCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.hooks.on_train_start(model)
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.hooks.on_step_start(state.global_step)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.hooks.on_before_optimizer(state.global_step)

@@ -2,30 +2,38 @@
 
 One training step, colocated:
 
-    on_step_start      -> manager.resume()           (KV pool back, generation may run)
-    ... the trainer calls manager.collect() and computes the loss ...
-    on_before_optimizer -> manager.suspend()          (KV freed before optimizer state grows)
-    on_step_end        -> manager.update_weights()    (every `sync_every` steps; version + 1)
+    samples = hooks.collect(...)   the rollout phase: resume -> manager.collect -> suspend
+    ... the trainer's forward and backward run with the KV pool already freed ...
+    on_before_optimizer            checks that the rollout phase ended suspended
+    on_step_end                    manager.update_weights() (every `sync_every` steps)
 
-In async mode the engine keeps generating, so nothing is suspended and the weight update is the
-only interaction. `on_train_end` suspends (or closes) so no KV memory outlives training.
+The suspend closes the rollout phase itself rather than waiting for a trainer event: HF Trainer
+and Lightning run the user's loss (collection, forward, backward) inside one call, with no event
+between the end of collection and the first forward, which is the activation peak colocation
+exists for. So the adapters hand the loss `collect()` (or `rollout()` around any generation), the
+way TRL puts its colocated engine to sleep right after generation. In async mode the engine keeps
+generating, so nothing is suspended and the weight update is the only interaction.
+`on_train_end` suspends (or closes) so no KV memory outlives training.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
 from torch import nn
 
 from rollout.manager import RolloutManager
+from rollout.samples import Sample
 
 
 @runtime_checkable
 class TrainerHook(Protocol):
     def on_train_start(self, model: nn.Module | None = None) -> None: ...
 
-    def on_step_start(self, step: int) -> None: ...
+    def rollout(self) -> contextlib.AbstractContextManager[None]: ...
 
     def on_before_optimizer(self, step: int) -> None: ...
 
@@ -37,6 +45,7 @@ class TrainerHook(Protocol):
 class RolloutHooks:
     """Drives a RolloutManager from trainer events; idempotent where trainers double-fire.
 
+    suspend_after_rollout (default: colocated) suspends the engines when the rollout phase ends.
     sync_on_start pushes the trainer's initial weights at train start, so the engine can never
     serve weights the trainer does not have (the "base weights after wake-up" bug).
     """
@@ -46,7 +55,7 @@ class RolloutHooks:
         manager: RolloutManager,
         model: nn.Module | None = None,
         sync_every: int = 1,
-        suspend_for_optimizer: bool | None = None,
+        suspend_after_rollout: bool | None = None,
         sync_on_start: bool = False,
         close_on_end: bool = False,
     ) -> None:
@@ -56,8 +65,8 @@ class RolloutHooks:
         self.model = model
         self.sync_every = sync_every
         colocated = manager.config.mode == "colocated"
-        self.suspend_for_optimizer = (
-            colocated if suspend_for_optimizer is None else suspend_for_optimizer
+        self.suspend_after_rollout = (
+            colocated if suspend_after_rollout is None else suspend_after_rollout
         )
         self.sync_on_start = sync_on_start
         self.close_on_end = close_on_end
@@ -76,14 +85,41 @@ class RolloutHooks:
         if self.sync_on_start:
             self.manager.resume()
             self.manager.update_weights(self._model(model))
-        self.manager.resume()
 
-    def on_step_start(self, step: int) -> None:
+    @contextlib.contextmanager
+    def rollout(self) -> Iterator[None]:
+        """The rollout phase: engines resumed inside, suspended on the way out (colocated), so
+        the trainer's first forward after it runs with the KV pool freed."""
         self.manager.resume()
+        try:
+            yield
+        finally:
+            if self.suspend_after_rollout:
+                self.metrics["engine/kv_bytes_freed"] = self.manager.suspend()
+
+    def collect(
+        self,
+        prompt_source: Iterable[Any],
+        batch_size_groups: int,
+        n: int = 1,
+        reward_fn: Any = None,
+        sampling_params: Any = None,
+    ) -> list[Sample]:
+        """`manager.collect(...)` as one rollout phase: the engines are suspended on return."""
+        with self.rollout():
+            return self.manager.collect(
+                prompt_source, batch_size_groups, n, reward_fn, sampling_params
+            )
 
     def on_before_optimizer(self, step: int) -> None:
-        if self.suspend_for_optimizer:
-            self.metrics["engine/kv_bytes_freed"] = self.manager.suspend()
+        """Fail loudly when generation ran outside the rollout phase: the KV pool was then held
+        through the forward and backward just done."""
+        if self.suspend_after_rollout and not self.manager.suspended:
+            raise RuntimeError(
+                f"step {step}: the colocated engines were still resumed at the optimizer step; "
+                "generate through the hooks' collect() or inside `with hooks.rollout():` (not "
+                "manager.collect directly) so they are suspended before the trainer's forward"
+            )
 
     def on_step_end(self, step: int, model: nn.Module | None = None) -> None:
         self.steps += 1

@@ -1,7 +1,9 @@
 """Lightning `Callback` that drives a RolloutManager (extra: `lightning`).
 
-on_train_batch_start -> resume, on_before_optimizer_step -> suspend (colocated),
-on_train_batch_end -> update_weights(the LightningModule, or its `model_attr` submodule).
+`training_step` generates through `callback.collect(...)` (or inside `with callback.rollout():`),
+which suspends the colocated engines as collection returns, before the step's forward.
+on_before_optimizer_step -> check the engines are suspended, on_train_batch_end ->
+update_weights(the LightningModule, or its `model_attr` submodule), on_train_end -> suspend.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ class RolloutCallback(Callback):
     def __init__(self, manager: RolloutManager, model_attr: str | None = None, **hook_kwargs: Any):
         self.hooks = RolloutHooks(manager, **hook_kwargs)
         self.model_attr = model_attr
+        self.collect = self.hooks.collect
+        self.rollout = self.hooks.rollout
 
     @property
     def manager(self) -> RolloutManager:
@@ -31,9 +35,6 @@ class RolloutCallback(Callback):
 
     def on_train_start(self, trainer, pl_module):
         self.hooks.on_train_start(self._model(pl_module))
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.hooks.on_step_start(trainer.global_step)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         self.hooks.on_before_optimizer(trainer.global_step)

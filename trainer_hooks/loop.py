@@ -1,4 +1,5 @@
-"""A plain PyTorch GRPO loop around a RolloutManager: collect -> loss -> optimizer -> sync.
+"""A plain PyTorch GRPO loop around a RolloutManager: collect (then suspend) -> loss -> optimizer
+-> sync.
 
 `grpo_loss` is the default loss: group-normalised advantages, the trainer's log-probs from
 `model.forward`, PPO-clip around the detached current policy and TIS against the engine's
@@ -74,8 +75,7 @@ def train(
     hooks.on_train_start(model)
     try:
         for step in range(num_steps):
-            hooks.on_step_start(step)
-            samples = manager.collect(prompts, batch_size_groups, n, reward_fn, sampling_params)
+            samples = hooks.collect(prompts, batch_size_groups, n, reward_fn, sampling_params)
             if not samples:
                 break
             loss, metrics = loss_fn(model, samples)
