@@ -229,8 +229,10 @@ class RolloutSystem:
         self.prompt = _prompt(prompt_len)
         self.sp = SamplingParams(num_tokens_to_generate=self.gen)
         self._wire = (pack_tokens(self.prompt), pack_obj(self.sp.serialize()))
-        self.proc, self.addr = DataParallelInferenceCoordinator.spawn(
-            heartbeat_s=1.0, engine_timeout_s=30.0
+        self.proc, self.addr, _ = DataParallelInferenceCoordinator.spawn(
+            heartbeat_s=1.0,
+            engine_timeout_s=30.0,
+            allow_unauthenticated=True,  # loopback bench
         )
         self.engines = _start_engines(rollout_engine, self.addr, n_engines, prompt_len, self.gen)
         self.ctx, self.sock = _dealer(self.addr)

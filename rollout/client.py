@@ -8,6 +8,10 @@ transition. Token prompts go on the wire packed (int32 bytes), never as msgpack 
 Sends are batched per event-loop turn: a turn's first submission leaves at once (a lone request
 waits for nothing), the rest of a burst leaves as SUBMIT_BATCH frames when the turn ends, and any
 other message flushes the queue first, so the coordinator sees everything in call order.
+A submission that cannot be encoded is refused by `add_request` itself (ValueError) before it is
+queued; should a queued row still fail to encode, only its own future fails.
+
+The auth token comes from the argument, a file, or the environment (rollout.auth.resolve_token).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 
 import zmq
 
+from rollout.auth import resolve_token
 from rollout.gc_tuning import freeze_startup_heap
 from rollout.protocol import (
     CONTROL_HEADERS,
@@ -84,6 +89,25 @@ class RequestFuture(asyncio.Future):
     request_id: int
 
 
+def _wire_prompt(prompt: Any) -> str | bytes:
+    """A prompt as it goes on the wire (text, or packed token ids); ValueError if it cannot."""
+    if isinstance(prompt, str):
+        if not prompt.isascii():  # isascii is O(1); only other text needs the UTF-8 check
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(
+                    f"prompt is not valid UTF-8 text ({e.reason} at index {e.start}: "
+                    f"{prompt[e.start : e.end]!r})"
+                ) from None
+        wire: str | bytes = prompt
+    else:
+        wire = pack_tokens(prompt)
+    if not wire:
+        raise ValueError("prompt must not be empty")
+    return wire
+
+
 class InferenceClient:
     def __init__(
         self,
@@ -92,15 +116,17 @@ class InferenceClient:
         handshake_timeout: float = 10.0,
         coordinator_timeout: float = 60.0,
         freeze_gc: bool = True,
+        auth_token_file: str | None = None,
     ):
-        """freeze_gc: move the objects alive at `start()` out of the cyclic GC's reach
+        """auth_token / auth_token_file: the coordinator's secret (else $ROLLOUT_AUTH_TOKEN or
+        the file named by $ROLLOUT_AUTH_TOKEN_FILE). freeze_gc: move the objects alive at `start()` out of the cyclic GC's reach
         (rollout.gc_tuning): full collections over torch's heap otherwise cost ~20 us per
         request at high rates. Switch off if the process relies on collecting cycles that
         already exist when the client starts."""
         if handshake_timeout <= 0 or coordinator_timeout <= 0:
             raise ValueError("handshake_timeout and coordinator_timeout must be > 0")
         self.address = address
-        self.auth_token = auth_token
+        self.auth_token = resolve_token(auth_token, auth_token_file)
         self.handshake_timeout = handshake_timeout
         self.coordinator_timeout = coordinator_timeout
         self.freeze_gc = freeze_gc
@@ -182,17 +208,38 @@ class InferenceClient:
         rows, self._outbox = self._outbox, []
         if self._sock is None or self._stopped or not rows:
             return
+        frames = self._submit_frames(rows)
         try:
-            if len(rows) == 1:
-                frames = [encode_trusted(Headers.SUBMIT_REQUEST, *rows[0])]
-            else:
-                frames = batch_frames(Headers.SUBMIT_BATCH, rows)
             for frame in frames:
                 self._sock.send(frame, zmq.NOBLOCK)
         except zmq.ZMQError as e:  # only if the socket broke: nothing queued can be answered
             self._fail_all(ClientStopped(f"could not send to the coordinator: {e}"))
             return
         self._kick_soon()
+
+    def _submit_frames(self, rows: list[list]) -> list[bytes]:
+        """The frames for queued rows. add_request checked each row, so this cannot fail; if it
+        does anyway, the rows go one frame each and a row that cannot be encoded fails alone."""
+        try:
+            if len(rows) == 1:
+                return [encode_trusted(Headers.SUBMIT_REQUEST, *rows[0])]
+            return batch_frames(Headers.SUBMIT_BATCH, rows)
+        except Exception:
+            pass
+        frames = []
+        for row in rows:
+            try:
+                frames.append(encode_trusted(Headers.SUBMIT_REQUEST, *row))
+            except Exception as e:
+                self._fail_request(row[0], RequestFailed(f"request {row[0]}: cannot be sent: {e}"))
+        return frames
+
+    def _fail_request(self, crid: int, exc: ClientError) -> None:
+        fut = self._futures.pop(crid, None)
+        self._submit_time.pop(crid, None)
+        self._finish_stream(crid)
+        if fut is not None and not fut.done():
+            fut.set_exception(exc)
 
     def _kick_soon(self) -> None:
         if not self._kick_pending:
@@ -234,40 +281,34 @@ class InferenceClient:
     def add_request(
         self, prompt: Any, sampling_params: SamplingParams | None = None, *, _stream: bool = False
     ) -> asyncio.Future:
-        """Submit one prompt (str or token ids); a Future of its DynamicInferenceRequestRecord."""
+        """Submit one prompt (str or token ids); a Future of its DynamicInferenceRequestRecord.
+        A prompt or sampling params that cannot go on the wire raise ValueError here, at once."""
         sp = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(sp, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
-        if isinstance(prompt, str):
-            wire_prompt: str | bytes = prompt
-        else:
-            wire_prompt = pack_tokens(prompt)
-        if not wire_prompt:
-            raise ValueError("prompt must not be empty")
+        wire_prompt = _wire_prompt(prompt)
+        try:
+            sp_bytes = pack_obj(sp.serialize())
+        except (ValueError, TypeError) as e:  # e.g. a stop word that is not valid UTF-8
+            raise ValueError(f"sampling_params cannot be sent: {e}") from None
         if self._sock is None or self._stopped or not self._started:
             raise ClientStopped("client is not started or already stopped")
         crid = next(self._ids)
-        row = [
-            crid,
-            wire_prompt,
-            pack_obj(sp.serialize()),
-            sp.num_tokens_to_generate,
-            bool(_stream),
-        ]
-        fut = RequestFuture(loop=asyncio.get_running_loop())
-        fut.request_id = crid
-        self._futures[crid] = fut
-        self._submit_time[crid] = time.monotonic()
-        if _stream:
-            self._streams[crid] = asyncio.Queue()
+        row = [crid, wire_prompt, sp_bytes, sp.num_tokens_to_generate, bool(_stream)]
         if self._turn_open:
             # the rest of this loop turn's burst leaves as SUBMIT_BATCH frames when the turn
             # ends (or before any other message, so ordering holds): one socket send per burst
             self._outbox.append(row)
         else:  # the turn's first submission leaves at once: a lone request waits for nothing
+            self._send(encode_trusted(Headers.SUBMIT_REQUEST, *row))  # raises before registering
             self._turn_open = True
             self._loop.call_soon(self._end_turn)
-            self._send(encode_trusted(Headers.SUBMIT_REQUEST, *row))
+        fut = RequestFuture(loop=self._loop)
+        fut.request_id = crid
+        self._futures[crid] = fut
+        self._submit_time[crid] = time.monotonic()
+        if _stream:
+            self._streams[crid] = asyncio.Queue()
         return fut
 
     async def stream(

@@ -54,6 +54,11 @@ def _normalize_prompts(prompts: Any) -> tuple[list, bool]:
     return list(prompts), True
 
 
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
 class _LLMBase:
     def __init__(
         self,
@@ -121,9 +126,18 @@ class _LLMBase:
     async def _generate_on_loop(
         self, prompts: list, sp: SamplingParams | None
     ) -> list[DynamicInferenceRequest]:
-        """Runs on the cluster's loop: submit everything, gather in input order."""
+        """Runs on the cluster's loop: submit everything, gather in input order. A prompt the
+        client refuses (ValueError naming its index) aborts the ones already submitted."""
         client = self.cluster.client
-        futures = [client.add_request(p, sp) for p in prompts]
+        futures = []
+        for i, p in enumerate(prompts):
+            try:
+                futures.append(client.add_request(p, sp))
+            except ValueError as e:
+                for f in futures:
+                    client.abort(f)
+                    f.add_done_callback(_retrieve)  # nobody awaits it: no "never retrieved"
+                raise ValueError(f"prompt {i}: {e}") from None
         records = await asyncio.gather(*futures)
         return [record.merge() for record in records]
 

@@ -48,6 +48,10 @@ import msgpack
 import numpy as np
 
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # default cap; decode() takes a per-call override
+# Elements (array items + map entries + containers) one frame may decode to. A legitimate frame
+# is mostly opaque bytes (its biggest lists are MAX_BATCH_ROWS-row batches), but 15 MB of
+# empty maps would decode to 15 million dicts: decoding stops at this budget instead.
+MAX_FRAME_ELEMENTS = 1 << 18
 
 
 class ProtocolError(ValueError):
@@ -265,6 +269,35 @@ def batch_frames(header: Headers, rows: list[list]) -> list[bytes]:
     ]
 
 
+def _unpack_bounded(frame: bytes, budget: int = MAX_FRAME_ELEMENTS) -> Any:
+    """msgpack.unpackb that gives up once the frame has produced `budget` elements: no single
+    container may exceed it (checked before it is built) and hooks count the rest. Every element
+    takes at least one byte, so a frame of at most `budget` bytes skips the (costly) hooks."""
+    if len(frame) <= budget:
+        return msgpack.unpackb(frame, raw=False, use_list=True, strict_map_key=False,
+                               max_array_len=budget, max_map_len=budget, max_ext_len=0)  # fmt: skip
+    left = budget
+
+    def spend(container: Any) -> Any:
+        nonlocal left
+        left -= len(container) + 1
+        if left < 0:
+            raise ProtocolError(f"frame decodes to more than {budget} elements")
+        return container
+
+    return msgpack.unpackb(
+        frame,
+        raw=False,
+        use_list=True,
+        strict_map_key=False,
+        max_array_len=budget,
+        max_map_len=budget,
+        max_ext_len=0,  # no ext types on this wire
+        list_hook=spend,
+        object_hook=spend,
+    )
+
+
 def decode(frame: bytes, max_frame_bytes: int = MAX_FRAME_BYTES) -> tuple[Headers, list]:
     """(header, fields) of one frame; ProtocolError names whatever is wrong with it."""
     if not isinstance(frame, (bytes, bytearray, memoryview)):
@@ -274,7 +307,9 @@ def decode(frame: bytes, max_frame_bytes: int = MAX_FRAME_BYTES) -> tuple[Header
     if len(frame) == 0:
         raise ProtocolError("empty frame")
     try:
-        msg = msgpack.unpackb(frame, raw=False, use_list=True, strict_map_key=False)
+        msg = _unpack_bounded(frame)
+    except ProtocolError:
+        raise
     except Exception as e:  # msgpack raises several types (ExtraData, ValueError, TypeError...)
         raise ProtocolError(f"invalid msgpack: {type(e).__name__}: {e}") from None
     if type(msg) is not list or not msg:

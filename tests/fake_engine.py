@@ -185,8 +185,12 @@ def make_fake_engine(**kw: Any) -> FakeEngine:
 # ---- in-process harness: coordinator and workers on threads, real sockets --------------------
 
 
+_HARNESS_TOKEN = object()  # add_engine's default: the harness coordinator's own token
+
+
 class Harness:
-    """Coordinator + fake-engine workers on threads of this process (real ZMQ sockets)."""
+    """Coordinator + fake-engine workers on threads of this process (real ZMQ sockets).
+    Peers authenticate as everywhere else: `auth_token` is the coordinator's (generated) one."""
 
     def __init__(self, **coordinator_config: Any):
         import threading
@@ -197,15 +201,18 @@ class Harness:
         cfg.update(coordinator_config)
         self.coord = DataParallelInferenceCoordinator(**cfg)
         self.address = self.coord.address
+        self.auth_token = self.coord.auth_token
         self._threading = threading
         self.thread = threading.Thread(target=self.coord.start, daemon=True)
         self.thread.start()
         self.workers: list[Any] = []
         self.threads: list[Any] = []
 
-    def add_engine(self, rank: int, auth_token: str | None = None, **fake: Any):
+    def add_engine(self, rank: int, auth_token: Any = _HARNESS_TOKEN, **fake: Any):
         from rollout.engine.worker import EngineWorker
 
+        if auth_token is _HARNESS_TOKEN:
+            auth_token = self.auth_token
         engine = FakeEngine(FakeConfig(**fake))
         worker = EngineWorker(engine, self.address, rank, auth_token=auth_token,
                               coordinator_timeout_s=5.0)  # fmt: skip
@@ -214,6 +221,13 @@ class Harness:
         self.workers.append(worker)
         self.threads.append(t)
         return worker
+
+    async def client(self, **kw: Any):
+        """A started InferenceClient holding this harness's token (unless given another)."""
+        from rollout.client import InferenceClient
+
+        kw.setdefault("auth_token", self.auth_token)
+        return await InferenceClient(self.address, **kw).start()
 
     def wait_engines(self, n: int, timeout: float = 5.0) -> None:
         deadline = time.monotonic() + timeout

@@ -27,7 +27,7 @@ def harness():
 
 @pytest.fixture
 async def client(harness):
-    c = await InferenceClient(harness.address).start()
+    c = await InferenceClient(harness.address, auth_token=harness.auth_token).start()
     yield c
     c.stop()  # also on failure: an open socket would block zmq's context at exit
 
@@ -117,11 +117,13 @@ async def test_start_freezes_the_startup_heap_unless_told_not_to(harness):
 
     gc.unfreeze()
     try:
-        c = await InferenceClient(harness.address, freeze_gc=False).start()
+        c = await InferenceClient(
+            harness.address, auth_token=harness.auth_token, freeze_gc=False
+        ).start()
         c.stop()
         assert gc.get_freeze_count() == 0
         marker = [object()]  # alive before start(): must end up frozen
-        c = await InferenceClient(harness.address).start()
+        c = await InferenceClient(harness.address, auth_token=harness.auth_token).start()
         c.stop()
         assert gc.get_freeze_count() > 0
         assert all(o is not marker for o in gc.get_objects())  # frozen: no collection sees it
@@ -142,9 +144,9 @@ async def test_a_submitted_batch_reaches_each_engine_as_one_dispatch_frame():
     eng = ctx.socket(zmq.DEALER)
     eng.setsockopt(zmq.LINGER, 0)
     eng.connect(h.address)
-    eng.send(encode(Headers.ENGINE_REGISTER, 0, 1 << 20, 0, None, 16))
+    eng.send(encode(Headers.ENGINE_REGISTER, 0, 1 << 20, 0, h.auth_token, 16))
     assert eng.poll(5000) and decode(eng.recv())[0] is Headers.ENGINE_REGISTER_ACK
-    client = await InferenceClient(h.address).start()
+    client = await InferenceClient(h.address, auth_token=h.auth_token).start()
     try:
         sp = SamplingParams(num_tokens_to_generate=1)
         futs = [client.add_request([i + 1, i + 2], sp) for i in range(10)]

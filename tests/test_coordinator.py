@@ -21,6 +21,7 @@ def harness(tmp_path):
 
 
 async def _client(h: Harness, **kw) -> InferenceClient:
+    kw.setdefault("auth_token", h.auth_token)
     return await InferenceClient(h.address, **kw).start()
 
 

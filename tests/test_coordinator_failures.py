@@ -31,11 +31,11 @@ async def test_sigkill_engine_mid_generation_then_all_dead():
                     rank,
                     make_fake_engine,
                     {"streaming_interval": 4, "step_delay": 0.005, "max_requests": 64},
-                    {"coordinator_timeout_s": 10.0},
+                    {"coordinator_timeout_s": 10.0, "auth_token": h.auth_token},
                 )
             )
         h.wait_engines(2, timeout=60)
-        client = await InferenceClient(h.address).start()
+        client = await InferenceClient(h.address, auth_token=h.auth_token).start()
         sp = SamplingParams(num_tokens_to_generate=60, return_log_probs=True)
         prompts = [[i + 1, 2 * i + 1, 7] for i in range(40)]
         futs = [client.add_request(p, sp) for p in prompts]
@@ -79,7 +79,7 @@ async def test_vanished_client_requests_aborted_and_maps_cleared(how):
     try:
         workers = [h.add_engine(r, step_delay=0.001) for r in range(2)]
         h.wait_engines(2)
-        client = await InferenceClient(h.address).start()
+        client = await InferenceClient(h.address, auth_token=h.auth_token).start()
         for i in range(10):
             client.add_request([i + 1], SamplingParams(num_tokens_to_generate=1_000_000))
         await wait_until(lambda: sum(len(w.active) for w in workers) == 10, what="dispatch")
@@ -151,7 +151,7 @@ async def test_rogue_dealer_counted_while_legit_traffic_served():
     try:
         h.add_engine(0)
         h.wait_engines(1)
-        client = await InferenceClient(h.address).start()
+        client = await InferenceClient(h.address, auth_token=h.auth_token).start()
         rogue.connect(h.address)
         frames = _rogue_frames(10_000)
         sp = SamplingParams(num_tokens_to_generate=4)
@@ -181,7 +181,9 @@ async def test_control_storm_with_two_submitting_clients():
         for r in range(2):
             h.add_engine(r)
         h.wait_engines(2)
-        ctl, c1, c2 = [await InferenceClient(h.address).start() for _ in range(3)]
+        ctl, c1, c2 = [
+            await InferenceClient(h.address, auth_token=h.auth_token).start() for _ in range(3)
+        ]
         sp = SamplingParams(num_tokens_to_generate=3)
         futs: list = []
         stop = asyncio.Event()

@@ -20,12 +20,20 @@ class CoordinatorConfig:
     max_hash_entries: int = 1 << 20
     deterministic: bool = False
     schedule_output_path: str | None = None
+    # Peers must present this secret. None: $ROLLOUT_AUTH_TOKEN / $ROLLOUT_AUTH_TOKEN_FILE, else
+    # the coordinator generates one (its `auth_token`, reported by `entrypoint`).
     auth_token: str | None = None
+    auth_token_file: str | None = None
+    # No secret at all: for trusted single-user setups and tests only (any local process could
+    # otherwise register as an engine and read or forge other users' requests).
+    allow_unauthenticated: bool = False
     heartbeat_s: float = 1.0
     engine_timeout_s: float = 10.0  # silent this long -> engine presumed dead
     client_timeout_s: float = 30.0  # silent this long -> client presumed gone
     engine_wait_s: float = 30.0  # requests wait this long for an engine when none is live
-    max_redispatch: int = 3
+    # A request held by this many engines when they died is failed ("request crashed N
+    # engines") instead of re-dispatched: one poisonous request takes down at most N engines.
+    max_engine_crashes: int = 2
     max_frame_bytes: int = MAX_FRAME_BYTES
 
     def __post_init__(self) -> None:
@@ -40,6 +48,12 @@ class CoordinatorConfig:
         for name in ("heartbeat_s", "engine_timeout_s", "client_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.max_engine_crashes < 1:
+            raise ValueError(f"max_engine_crashes must be >= 1, got {self.max_engine_crashes!r}")
+        if self.max_frame_bytes < 1024:
+            raise ValueError(f"max_frame_bytes must be >= 1024, got {self.max_frame_bytes!r}")
+        if self.allow_unauthenticated and (self.auth_token or self.auth_token_file):
+            raise ValueError("allow_unauthenticated=True contradicts a given auth_token")
         if self.engine_wait_s < 0:
             raise ValueError(f"engine_wait_s must be >= 0, got {self.engine_wait_s!r}")
         if self.engine_timeout_s <= self.heartbeat_s:

@@ -5,6 +5,9 @@ answering, streams partial replies, watches liveness with heartbeats, and re-dis
 engine's unfinished requests from their last streamed checkpoint so nothing is lost. It decodes
 only small headers and ids: prompts, sampling params and records pass through as opaque bytes.
 Bad input is counted and answered (or dropped), never fatal.
+
+Peers authenticate with a shared secret by default (rollout.auth); until a peer has, its frames
+pass `Admission`, which drops anything but a small handshake undecoded and rate-limits refusals.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from functools import partial
 
 import zmq
 
+from rollout.auth import new_token, resolve_token
+from rollout.coordinator.admission import Admission
 from rollout.coordinator.config import CoordinatorConfig
 from rollout.coordinator.peers import ClientPeer, EnginePeer, Pending, PendingControl
 from rollout.coordinator.requests import RequestHandlers
@@ -42,19 +47,31 @@ SUSPEND_MODES = ("persist", "offload", "recompute")
 
 
 class DataParallelInferenceCoordinator(RequestHandlers):
-    """The ROUTER. `start()` runs the loop until SHUTDOWN; `stop()` releases the socket."""
+    """The ROUTER. `start()` runs the loop until SHUTDOWN; `stop()` releases the socket.
+
+    `auth_token` is the secret peers must present: the configured one, else one from the
+    environment (rollout.auth.resolve_token), else a generated one; None only with
+    `allow_unauthenticated=True`.
+    """
 
     def __init__(self, config: CoordinatorConfig | None = None, **overrides):
         cfg = config or CoordinatorConfig()
         if overrides:
             cfg = CoordinatorConfig(**{**asdict(cfg), **overrides})
         self.config = cfg
+        self.auth_token: str | None = None
+        if not cfg.allow_unauthenticated:
+            self.auth_token = resolve_token(cfg.auth_token, cfg.auth_token_file) or new_token()
+        self.admission = Admission(self.auth_token)
         self.ctx = zmq.Context()
         self.socket = self.ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unreachable peer -> error, not drop
         self.socket.setsockopt(zmq.SNDHWM, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)
         self.socket.setsockopt(zmq.LINGER, 0)
+        # zmq refuses a bigger frame from its size header and drops that connection, before
+        # buffering it: a peer cannot make us hold a huge frame it trickles in
+        self.socket.setsockopt(zmq.MAXMSGSIZE, cfg.max_frame_bytes)
         if cfg.port:
             self.socket.bind(f"tcp://{cfg.host}:{cfg.port}")
             port = cfg.port
@@ -100,7 +117,8 @@ class DataParallelInferenceCoordinator(RequestHandlers):
 
     @classmethod
     def entrypoint(cls, conn, config: dict | None = None, **overrides) -> None:
-        """Child-process main: bind, send the address (or the error) through `conn`, serve."""
+        """Child-process main: bind, send {"address", "auth_token"} (or {"error"}) through
+        `conn`, serve. The spawner hands the token to its engines and clients."""
         signal.signal(signal.SIGTERM, _exit_on_signal)  # clean stop: schedule log gets written
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
         try:
@@ -108,7 +126,7 @@ class DataParallelInferenceCoordinator(RequestHandlers):
         except Exception as e:
             conn.send({"error": f"{type(e).__name__}: {e}"})
             return
-        conn.send({"address": coord.address})
+        conn.send({"address": coord.address, "auth_token": coord.auth_token})
         freeze_startup_heap()  # start-up objects live as long as the process
         try:
             coord.start()
@@ -116,8 +134,8 @@ class DataParallelInferenceCoordinator(RequestHandlers):
             coord.stop()
 
     @classmethod
-    def spawn(cls, timeout: float = 30.0, **config) -> tuple[mp.Process, str]:
-        """Start the coordinator in a spawned child process; (process, address)."""
+    def spawn(cls, timeout: float = 30.0, **config) -> tuple[mp.Process, str, str | None]:
+        """Start the coordinator in a spawned child process; (process, address, auth_token)."""
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=cls.entrypoint, args=(child, config), daemon=True)
@@ -130,7 +148,7 @@ class DataParallelInferenceCoordinator(RequestHandlers):
         if "error" in msg:
             proc.join(5)
             raise RuntimeError(f"coordinator failed to start: {msg['error']}")
-        return proc, msg["address"]
+        return proc, msg["address"], msg["auth_token"]
 
     # ---- main loop ----------------------------------------------------------------------
 
@@ -187,6 +205,12 @@ class DataParallelInferenceCoordinator(RequestHandlers):
 
     def _handle(self, parts: list[bytes]) -> None:
         identity = parts[0]
+        if identity not in self.clients and identity not in self.engines:
+            why = "unauthenticated_multipart" if len(parts) != 2 else None
+            why = why or self.admission.screen(identity, parts[1])
+            if why is not None:  # dropped undecoded: a stranger's garbage costs a length check
+                self.counters[why] += 1
+                return
         if len(parts) != 2:
             self._malformed(identity, f"expected 1 frame per message, got {len(parts) - 1}")
             return
@@ -233,7 +257,7 @@ class DataParallelInferenceCoordinator(RequestHandlers):
                 return
             else:
                 self.counters["unknown_peer"] += 1
-                self._error(identity, header, None, "unknown peer: send CONNECT first")
+                self._refuse(identity, header, "unknown peer: send CONNECT first")
                 return
         if handler is None:
             self.counters["unexpected"] += 1
@@ -269,12 +293,18 @@ class DataParallelInferenceCoordinator(RequestHandlers):
 
     # ---- handshakes ---------------------------------------------------------------------
 
+    def _refuse(self, identity: bytes, header: Headers, message: str) -> None:
+        """ERROR to a peer that is not (or no longer) admitted, within the refusal rate limit."""
+        if self.admission.may_refuse():
+            self._error(identity, header, None, message)
+        else:
+            self.counters["refusals_unanswered"] += 1
+
     def _auth_ok(self, identity: bytes, header: Headers, token) -> bool:
-        expected = self.config.auth_token
-        if expected is None or token == expected:
+        if self.admission.check(identity, token):
             return True
         self.counters["auth_failures"] += 1
-        self._error(identity, header, None, "authentication failed: bad or missing auth token")
+        self._refuse(identity, header, "authentication failed: bad or missing auth token")
         return False
 
     def _on_connect(self, identity: bytes, fields: list) -> None:
@@ -484,10 +514,17 @@ class DataParallelInferenceCoordinator(RequestHandlers):
             if p is None or p.engine != identity:
                 continue
             p.engine, p.reserved = None, 0
+            p.crashes += 1
             if stopping:
                 self._fail(p, f"engine rank {engine.rank} stopped before finishing the request")
-            elif p.dispatches > self.config.max_redispatch:
-                self._fail(p, f"request lost {p.dispatches} engines; giving up")
+            elif p.crashes >= self.config.max_engine_crashes:
+                # it was on every engine that died under it: likely the cause, so it stops here
+                self.counters["failed_crashed_engines"] += 1
+                self._fail(
+                    p,
+                    f"request crashed {p.crashes} engines (each died while holding it); "
+                    f"not re-dispatched again",
+                )
             else:
                 self.counters["redispatched"] += 1
                 self._dispatch(p)

@@ -52,6 +52,7 @@ class Pending:
     resume_tokens: bytearray = field(default_factory=bytearray)  # streamed so far (int32 LE)
     resume_log_probs: bytearray = field(default_factory=bytearray)  # (float64 LE)
     dispatches: int = 0
+    crashes: int = 0  # engines that died (or left) while holding it
     deadline: float | None = None  # set while waiting for an engine
 
 

@@ -42,8 +42,9 @@ def spawn_child(target: Callable[..., Any], args: tuple, name: str) -> mp.Proces
     return proc
 
 
-def _coordinator_spawn(timeout: float, config: dict) -> tuple[mp.Process, str]:
-    """DataParallelInferenceCoordinator.spawn, with the parent-death lifeline."""
+def _coordinator_spawn(timeout: float, config: dict) -> tuple[mp.Process, str, str | None]:
+    """DataParallelInferenceCoordinator.spawn, with the parent-death lifeline: (process,
+    address, the auth token its peers must present)."""
     from rollout.coordinator import DataParallelInferenceCoordinator
 
     parent, child = mp.get_context("spawn").Pipe(duplex=False)
@@ -64,7 +65,7 @@ def _coordinator_spawn(timeout: float, config: dict) -> tuple[mp.Process, str]:
     if "error" in msg:
         proc.join(5)
         raise RuntimeError(f"coordinator failed to start: {msg['error']}")
-    return proc, msg["address"]
+    return proc, msg["address"], msg["auth_token"]
 
 
 def stop_processes(procs: list[mp.Process], timeout_s: float = 10.0) -> None:
