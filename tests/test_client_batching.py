@@ -180,3 +180,39 @@ def test_dispatch_batch_schema_checks_every_row():
     assert decode(encode(Headers.DISPATCH_BATCH, [row, row]))[0] is Headers.DISPATCH_BATCH
     with pytest.raises(ProtocolError, match=r"requests\[1\]\.stream must be bool"):
         encode(Headers.DISPATCH_BATCH, [row, [*row[:-1], 1]])
+
+
+@pytest.mark.parametrize("bad_at", [0, 4])  # the turn's first (sent at once) or a queued one
+async def test_unencodable_prompt_in_a_burst_fails_alone_at_once(client, bad_at):
+    sp = SamplingParams(num_tokens_to_generate=3)
+    prompts = [f"ok {i}" for i in range(10)]
+    prompts[bad_at] = "bad\ud800"  # a lone surrogate: no UTF-8 encoding exists
+    futs, errors = {}, []
+    for i, p in enumerate(prompts):
+        try:
+            futs[i] = client.add_request(p, sp)
+        except ValueError as e:
+            errors.append((i, str(e)))
+    assert errors == [(bad_at, "prompt is not valid UTF-8 text (surrogates not allowed at "
+                                "index 3: '\\ud800')")]  # fmt: skip
+    records = await asyncio.wait_for(asyncio.gather(*futs.values()), 10)
+    assert len(records) == 9 and all(r.merge().generated_tokens for r in records)
+    assert client.pending() == 0
+    with pytest.raises(ValueError, match="sampling_params cannot be sent"):
+        client.add_request("fine", SamplingParams(stop_words=["x\udfff"]))
+    assert client.pending() == 0
+
+
+async def test_a_queued_row_that_cannot_be_encoded_fails_only_its_own_future(client):
+    """Should a row still fail to encode when the turn's batch is sent, that row's future fails
+    with the reason and the rest of the batch goes out."""
+    sp = SamplingParams(num_tokens_to_generate=2)
+    futs = [client.add_request([i + 1, 7], sp) for i in range(5)]
+    client._outbox[1][1] = "bad\ud800"  # futs[2]: corrupted after add_request checked it
+    with pytest.raises(RequestFailed, match=r"request \d+: cannot be sent: .*surrogates"):
+        await asyncio.wait_for(futs[2], 10)
+    others = await asyncio.wait_for(asyncio.gather(*(futs[:2] + futs[3:])), 10)
+    assert [r.merge().generated_tokens for r in others] == [
+        expected_tokens([i + 1, 7], 2) for i in (0, 1, 3, 4)
+    ]
+    assert client.pending() == 0

@@ -60,6 +60,38 @@ def test_lifecycle_is_acknowledged_and_generation_continues(llm, model):
     assert len(llm.cluster.stats()["engines"]) == 2
 
 
+def test_unencodable_prompt_fails_generate_at_once_and_service_goes_on(llm, model):
+    """One prompt with a lone surrogate: generate raises a ValueError naming it (it used to
+    block forever), the prompts already submitted are aborted, the next generate works."""
+    import threading
+
+    outcome: list[BaseException | object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(llm.generate(["hello", "bad\ud800", "a longer prompt"], SP))
+        except BaseException as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(60)
+    assert outcome, "generate() blocked"
+    assert isinstance(outcome[0], ValueError)
+    assert str(outcome[0]).startswith("prompt 1: prompt is not valid UTF-8 text")
+    client = llm.cluster.client
+    assert llm.cluster.call(lambda: _settled(client), 30) == 0  # the aborted "hello" resolved
+    assert [r.generated_tokens for r in llm.generate(PROMPTS, SP)] == _direct(model, PROMPTS)
+
+
+async def _settled(client) -> int:
+    for _ in range(3000):
+        if client.pending() == 0:
+            break
+        await asyncio.sleep(0.01)
+    return client.pending()
+
+
 def test_update_weights_reaches_every_engine(llm, model):
     new = copy.deepcopy(model)
     with torch.no_grad():

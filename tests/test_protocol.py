@@ -107,6 +107,42 @@ def test_oversize_rejected_and_limit_configurable():
     assert decode(frame, max_frame_bytes=len(frame))[0] is Headers.REPLY
 
 
+def _array_header(n: int) -> bytes:
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"\x92\x3d" + _array_header(4_000_000) + b"\xc0" * 4_000_000,  # one array of 4M nils
+        b"\x92\x3d" + _array_header(2_000_000) + b"\x80" * 2_000_000,  # 2M empty maps
+        # many arrays, each under the per-container cap: only the running budget stops these
+        b"\x92\x3d" + _array_header(70) + (_array_header(60_000) + b"\xc0" * 60_000) * 70,
+        b"\x92\x3d" + _array_header(70) + (_array_header(60_000) + b"\x80" * 60_000) * 70,
+    ],
+    ids=["nils", "empty-maps", "nested-nils", "nested-maps"],
+)
+def test_decoding_work_per_frame_is_bounded(frame):
+    """A few MB that would decode to millions of objects are refused after at most
+    MAX_FRAME_ELEMENTS of them: memory stays small whatever the frame holds."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(ProtocolError, match=r"max_array_len|more than 262144 elements"):
+            decode(frame)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 24 << 20, f"decoding peaked at {peak >> 20} MiB"
+
+
+def test_legitimate_batches_fit_the_decoding_budget():
+    rows = [[i, b"\0" * 4096, b"\x80", 8, False] for i in range(256)]  # > 1 MB: hooks engaged
+    header, fields = decode(encode(Headers.SUBMIT_BATCH, rows))
+    assert header is Headers.SUBMIT_BATCH and len(fields[0]) == 256
+
+
 def test_pack_tokens_accepts_list_tensor_ndarray():
     ref = [0, 1, 2**31 - 1, 5]
     for src in (ref, torch.tensor(ref), np.array(ref, dtype=np.int64), tuple(ref)):

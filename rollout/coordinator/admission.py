@@ -43,12 +43,11 @@ class Admission:
         token: str | None,
         max_failures_per_peer: int = 3,
         refusals_per_s: float = 50.0,
-        refusal_burst: float = 100.0,
         max_tracked_peers: int = 65536,
     ):
         self.token = token
         self.max_failures_per_peer = max_failures_per_peer
-        self.refusals = TokenBucket(refusals_per_s, refusal_burst)
+        self.refusals = TokenBucket(refusals_per_s, burst=max(1.0, 2.0 * refusals_per_s))
         self.max_tracked_peers = max_tracked_peers
         self.failures: OrderedDict[bytes, int] = OrderedDict()  # identity -> failed handshakes
 

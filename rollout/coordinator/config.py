@@ -27,6 +27,8 @@ class CoordinatorConfig:
     # No secret at all: for trusted single-user setups and tests only (any local process could
     # otherwise register as an engine and read or forge other users' requests).
     allow_unauthenticated: bool = False
+    max_auth_failures_per_peer: int = 3  # then the peer is ignored (no reply, not decoded)
+    refusals_per_s: float = 50.0  # answers to failed or unknown peers, all of them together
     heartbeat_s: float = 1.0
     engine_timeout_s: float = 10.0  # silent this long -> engine presumed dead
     client_timeout_s: float = 30.0  # silent this long -> client presumed gone
@@ -48,6 +50,8 @@ class CoordinatorConfig:
         for name in ("heartbeat_s", "engine_timeout_s", "client_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.max_auth_failures_per_peer < 1 or self.refusals_per_s <= 0:
+            raise ValueError("max_auth_failures_per_peer must be >= 1 and refusals_per_s > 0")
         if self.max_engine_crashes < 1:
             raise ValueError(f"max_engine_crashes must be >= 1, got {self.max_engine_crashes!r}")
         if self.max_frame_bytes < 1024:

@@ -62,7 +62,9 @@ class DataParallelInferenceCoordinator(RequestHandlers):
         self.auth_token: str | None = None
         if not cfg.allow_unauthenticated:
             self.auth_token = resolve_token(cfg.auth_token, cfg.auth_token_file) or new_token()
-        self.admission = Admission(self.auth_token)
+        self.admission = Admission(
+            self.auth_token, cfg.max_auth_failures_per_peer, cfg.refusals_per_s
+        )
         self.ctx = zmq.Context()
         self.socket = self.ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unreachable peer -> error, not drop
