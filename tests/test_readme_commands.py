@@ -4,7 +4,9 @@
 the overrides in the "Growing from the embedded default" table) and fails on any command that
 `COVERED` does not map to a test here. Each test takes its command text from the README itself,
 fills in placeholders (a checkpoint path, an address), and appends short-run Hydra overrides
-(later overrides win), so it runs the documented command, not a paraphrase.
+(later overrides win), so it runs the documented command, not a paraphrase. The README's
+```python blocks are executed too, with only the names their prose leaves to the reader (your
+policy, your loss) predefined.
 """
 
 from __future__ import annotations
@@ -57,6 +59,11 @@ COVERED = {
     "rollout engine --coordinator tcp://HOST:PORT --rank R --model DIR --auth-token S": "test_serve_with_remote_engine",
     "python -m recipes.grpo_reverse -m hydra/launcher=submitit_slurm trainer.lr=1e-3,3e-3": "test_slurm_sweep_row",
 }  # fmt: skip
+# README ```python blocks (by the heading above them) -> the test that executes them.
+SNIPPETS = {
+    "### As a trainer's rollout layer": "test_trainer_snippet",
+    "### As an inference library": "test_inference_snippet",
+}
 # README commands no test runs, each with the reason; keep this short.
 NOT_RUN = {
     "pip install hydra-submitit-launcher": "installs a package from the network",
@@ -87,6 +94,23 @@ def readme_commands(text: str) -> list[str]:
             if span.startswith(COMMAND_WORDS) or override:
                 found.append(span)
     return list(dict.fromkeys(found))
+
+
+def python_snippets(text: str) -> dict[str, str]:
+    """The ```python blocks of `text`, keyed by the nearest heading above each."""
+    blocks: dict[str, str] = {}
+    heading, code = "", None
+    for line in text.splitlines():
+        if code is None and line.startswith("#"):
+            heading = line.strip()
+        elif code is None and line.strip() == "```python":
+            code = []
+        elif code is not None and line.strip() == "```":
+            blocks[heading] = "\n".join(code) + "\n"
+            code = None
+        elif code is not None:
+            code.append(line)
+    return blocks
 
 
 def readme_command(test_name: str, contains: str = "") -> str:
@@ -153,6 +177,9 @@ def test_every_readme_command_is_covered():
     assert not stale, f"COVERED/NOT_RUN entries no longer in README.md: {stale}"
     tests = {name for name, obj in globals().items() if name.startswith("test_") and callable(obj)}
     assert set(COVERED.values()) <= tests, set(COVERED.values()) - tests
+    snippets = python_snippets(README)
+    assert set(snippets) == set(SNIPPETS), f"README python blocks vs SNIPPETS: {sorted(snippets)}"
+    assert set(SNIPPETS.values()) <= tests
 
 
 def test_readme_lists_the_metric_namespaces():
@@ -209,7 +236,7 @@ def test_test_sh_runs_pytest():
     """scripts/test.sh is `python -m pytest -q` after setup; both run here on one small file."""
     for command in ("bash scripts/test.sh", "python -m pytest -q"):
         argv, env = argv_of(readme_command("test_test_sh_runs_pytest", command))
-        out = run([*argv, "-p", "no:cacheprovider", "tests/test_sampling.py"], env, timeout=540)
+        out = run([*argv, "-p", "no:cacheprovider", "tests/test_hashing.py"], env, timeout=540)
         assert re.search(r"\d+ passed", out.stdout), out.stdout[-2000:]
 
 
@@ -398,3 +425,69 @@ def test_serve_synopsis():
         serve.read_until(r"^ready: 2 engine")
         assert asyncio.run(serve_requests(address, None, engines=2)) == 24
         assert serve.stop() == 0
+
+
+# -- the README's python blocks --------------------------------------------------------------------
+
+
+def exec_snippet(heading: str, names: dict, **placeholders: str) -> dict:
+    """Execute the README block under `heading` with `names` (what the prose leaves to the
+    reader: your policy, your loss) predefined; returns its namespace."""
+    code = python_snippets(README)[heading]
+    for key, value in placeholders.items():
+        code = code.replace(key, value)
+    namespace = dict(names)
+    exec(compile(code, f"README.md: {heading}", "exec"), namespace)
+    return namespace
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_trainer_snippet():
+    """The trainer loop: an embedded engine, 2 steps of 16 groups x 8 samples, weights synced."""
+    import copy
+    import itertools
+
+    from rollout import InferenceConfig
+    from rollout.models import ModelConfig, build_model
+    from rollout.samples import collate
+    from rollout.tokenizers import ByteTokenizer
+    from trainer_hooks.losses import sequence_log_probs
+
+    tok = ByteTokenizer()
+    policy = build_model(ModelConfig.preset("tiny", vocab_size=tok.vocab_size), seed=0)
+
+    def grpo_loss(model, groups):
+        batch = collate(groups, tok.pad_id)
+        mask = batch["completion_mask"]
+        return -sequence_log_probs(model(batch["tokens"]), batch["tokens"], mask).sum() / mask.sum()
+
+    names = dict(
+        policy=policy, policy_copy=copy.deepcopy(policy), tok=tok, steps=2, grpo_loss=grpo_loss,
+        icfg=InferenceConfig(max_sequence_length=64), reward=lambda s: float(len(s.completion_tokens) % 2),
+        prompt_source=itertools.cycle(["12>", "345>", "6789>"]),
+        opt=torch.optim.SGD(policy.parameters(), lr=1e-3),
+    )  # fmt: skip
+    ns = exec_snippet("### As a trainer's rollout layer", names)
+    groups, manager = ns["groups"], ns["manager"]
+    try:
+        assert len(groups) == 16 * 8 and all(
+            len(s.logprobs) == len(s.completion_tokens) for s in groups
+        )
+        assert manager.version == 2
+    finally:
+        manager.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_inference_snippet(tmp_path):
+    """The inference library: a saved checkpoint, direct generate, then 2 engine processes
+    behind the coordinator through the acknowledged lifecycle and a weight update."""
+    from rollout.models import load_pretrained
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", "llama", bos=True)
+    new_model, _ = load_pretrained(ckpt)
+    ns = exec_snippet("### As an inference library", {"new_model": new_model},
+                      **{"path/to/hf_checkpoint": str(ckpt)})  # fmt: skip
+    assert len(ns["out"]) == 2
