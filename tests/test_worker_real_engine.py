@@ -10,7 +10,6 @@ import signal
 import pytest
 from fake_engine import Harness, wait_until
 
-from rollout.client import InferenceClient
 from rollout.engine.worker import EngineWorker, build_engine
 from rollout.sampling import SamplingParams
 
@@ -53,10 +52,11 @@ async def test_200_mixed_requests_match_direct_mode_and_survive_sigkill():
     kill_items = [(p, sp.replace(num_tokens_to_generate=32)) for p, sp in items[:30]]
     kill_expected = _direct(kill_items)
     h = Harness(heartbeat_s=0.2, engine_timeout_s=2.0, engine_wait_s=5.0)
-    procs = [EngineWorker.spawn(h.address, r, build_engine, ENGINE_KW) for r in range(2)]
+    auth = {"auth_token": h.auth_token}
+    procs = [EngineWorker.spawn(h.address, r, build_engine, ENGINE_KW, auth) for r in range(2)]
     try:
         h.wait_engines(2, timeout=90)
-        client = await InferenceClient(h.address).start()
+        client = await h.client()
         futs = [client.add_request(p, sp) for p, sp in items]
         records = await asyncio.wait_for(asyncio.gather(*futs), 90)
         got = [r.merge().generated_tokens for r in records]

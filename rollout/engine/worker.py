@@ -6,6 +6,13 @@ therefore land between steps — acks each control signal, runs one engine step,
 step's partials and finished records as one batched message each. When idle it blocks in zmq poll
 until a message or the next heartbeat is due. Heartbeats carry the engine's load; silence from
 the coordinator for `coordinator_timeout_s` means it is gone and the worker exits.
+
+A worker that was frozen (SIGSTOP, a swapped-out host) longer than the coordinator's engine
+timeout was forgotten and its requests went elsewhere: the first "unknown peer" error makes it
+drop them and register again, adopting the coordinator's pause/suspend state before it takes
+work. Errors still in flight from before that registration are ignored. A worker in a weight-sync
+group also checks the trainer's last committed weight version after registering and exits with
+`EXIT_STALE_WEIGHTS` if it missed an update, so its supervisor restarts it from current weights.
 """
 
 from __future__ import annotations
@@ -44,6 +51,15 @@ from rollout.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
+# Process exit codes a supervisor tells apart: 0 = told to stop; anything else = restart.
+EXIT_STALE_WEIGHTS = 3  # its weights are older than the committed ones: restart from current
+EXIT_COORDINATOR_LOST = 4  # the coordinator went silent or refused it
+COMMITTED_KEY = "rollout/weight_sync/committed"  # the trainer's last applied version (TCPStore)
+
+
+class StaleWeights(RuntimeError):
+    """The engine holds weights older than the version the trainer last committed."""
+
 
 class EngineWorker:
     def __init__(
@@ -72,6 +88,7 @@ class EngineWorker:
         self.weight_version = int(getattr(engine, "weight_version", 0))
         self.active: set[int] = set()  # request ids the coordinator believes we own
         self.running = False
+        self.exit_code = 0
         self.counters = {"steps": 0, "requests": 0, "replies": 0, "partials": 0, "acks": 0}
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -86,7 +103,11 @@ class EngineWorker:
     # ---- lifecycle ----------------------------------------------------------------------
 
     def register(self) -> None:
-        """ENGINE_REGISTER and wait for the ack; adopt the coordinator's lifecycle state."""
+        """ENGINE_REGISTER and wait for the ack; adopt the coordinator's lifecycle state.
+
+        Only an ERROR that answers ENGINE_REGISTER is a refusal: others are replies to frames
+        sent before this registration (a frozen worker's heartbeats and acks) and are stale.
+        """
         self._send(
             Headers.ENGINE_REGISTER,
             self.rank,
@@ -103,14 +124,40 @@ class EngineWorker:
                     f"engine rank {self.rank}: no ENGINE_REGISTER_ACK from {self.address} "
                     f"within {self.register_timeout_s}s"
                 )
-            header, fields = decode(self.sock.recv())
-            if header is Headers.ERROR:
+            try:
+                header, fields = decode(self.sock.recv())
+            except ProtocolError as e:
+                log.warning("engine rank %d dropped malformed frame: %s", self.rank, e)
+                continue
+            if header is Headers.ERROR and fields[0] == int(Headers.ENGINE_REGISTER):
                 raise PermissionError(f"engine rank {self.rank} refused: {fields[2]}")
             if header is Headers.ENGINE_REGISTER_ACK:
-                _, self.heartbeat_s, state = fields
-                self.paused = state != "RUNNING"
                 self._last_recv = time.monotonic()
+                self.heartbeat_s = fields[1]
+                self._adopt_state(fields[2])
+                self._check_committed_version()
                 return
+
+    def _adopt_state(self, state: str) -> None:
+        """Mirror the coordinator's lifecycle state: paused unless RUNNING; a SUSPENDED service
+        frees this engine's KV memory too (it holds no request the coordinator counts on)."""
+        self.paused = state != "RUNNING"
+        if state == "SUSPENDED" and self.suspended is None:
+            self.engine.suspend("recompute")
+            self.suspended = "recompute"
+        elif state != "SUSPENDED" and self.suspended is not None:
+            self.engine.resume()
+            self.suspended = None
+
+    def _check_committed_version(self) -> None:
+        if self.sync is None:
+            return
+        committed = self.sync.committed_version()
+        if committed is not None and committed != self.weight_version:
+            raise StaleWeights(
+                f"engine rank {self.rank} holds weight version {self.weight_version}, the "
+                f"trainer committed {committed}: it must restart from the current weights"
+            )
 
     def run(self) -> None:
         """Register, then serve until STOP/SHUTDOWN or the coordinator goes silent."""
@@ -336,9 +383,14 @@ class EngineWorker:
         now = time.monotonic()
         if now < self._next_hb:
             return
+        if now - self._next_hb > self.coordinator_timeout_s / 2:
+            # This process did not run (stopped, or one very long step): the silence is ours,
+            # so give the coordinator a full timeout to answer before presuming it gone.
+            self._last_recv = now
         self._next_hb = now + self.heartbeat_s
         if now - self._last_recv > self.coordinator_timeout_s:
             log.warning("engine rank %d: coordinator silent, exiting", self.rank)
+            self.exit_code = EXIT_COORDINATOR_LOST
             self.running = False
             return
         self._send(Headers.HEARTBEAT, _plain(self.engine.load()))
@@ -365,6 +417,14 @@ class EngineWorker:
             worker.run()
         except SystemExit:
             worker.close()
+            return
+        except StaleWeights as e:
+            log.warning("%s", e)
+            raise SystemExit(EXIT_STALE_WEIGHTS) from None
+        except (ConnectionError, PermissionError) as e:
+            log.error("%s", e)
+            raise SystemExit(EXIT_COORDINATOR_LOST) from None
+        raise SystemExit(worker.exit_code)
 
     @classmethod
     def spawn(
@@ -386,11 +446,17 @@ class EngineWorker:
         )
 
 
+class _NotMember(Exception):
+    """This engine is not in the group of the update being sent."""
+
+
 class _WorkerSync:
-    """Engine side of weight sync: rank `rank` of the trainer's group, joined lazily on the first
-    SET_WEIGHT_VERSION and rebuilt when the trainer starts a new group generation (after a
-    broken transfer). Weights are applied with `engine.update_weights` only after the whole
-    transfer verified on every rank (rollout.weights two-phase commit)."""
+    """Engine side of weight sync. Each update names its group *generation* and members (the
+    engines that were serving when it began) in the trainer's TCPStore; a member joins that
+    generation's group lazily on SET_WEIGHT_VERSION (rebuilt when the generation changes: after a
+    broken transfer or a change of members), a non-member declines. Weights are applied with
+    `engine.update_weights` only after the whole transfer verified on every rank (rollout.weights
+    two-phase commit)."""
 
     def __init__(self, engine: Any, info: dict):
         self.engine = engine
@@ -400,6 +466,22 @@ class _WorkerSync:
         self.generation: str | None = None
         self.receiver: Any = None
 
+    def _store(self) -> Any:
+        import datetime
+
+        import torch.distributed as dist
+
+        if self.store is None:
+            timeout = datetime.timedelta(seconds=float(self.info.get("timeout_s", 300)))
+            self.store = dist.TCPStore(self.info["host"], int(self.info["port"]),
+                                       is_master=False, timeout=timeout)  # fmt: skip
+        return self.store
+
+    def committed_version(self) -> int | None:
+        """The version the trainer last applied to every member; None before the first update."""
+        store = self._store()
+        return int(store.get(COMMITTED_KEY)) if store.check([COMMITTED_KEY]) else None
+
     def _group(self) -> None:
         import datetime
 
@@ -408,21 +490,22 @@ class _WorkerSync:
         from rollout.runtime import STORE_KEY
         from rollout.weights import WeightReceiver
 
-        timeout = datetime.timedelta(seconds=float(self.info.get("timeout_s", 300)))
-        if self.store is None:
-            self.store = dist.TCPStore(self.info["host"], int(self.info["port"]),
-                                       is_master=False, timeout=timeout)  # fmt: skip
-        gen = self.store.get(STORE_KEY).decode()
+        gen = self._store().get(STORE_KEY).decode()
         if gen == self.generation:
             return
         self.close_group()
-        number, backend = gen.split(":")
+        number, backend, members = gen.split(":")
+        ranks = [int(r) for r in members.split(",")]
+        me = int(self.info["rank"])
+        if me not in ranks:
+            raise _NotMember(f"engine rank {me} is not a member of update group {number} "
+                             f"(members {ranks})")  # fmt: skip
         dist.init_process_group(
             backend,
             store=dist.PrefixStore(f"rollout/weight_sync/{number}/", self.store),
-            rank=int(self.info["rank"]),
-            world_size=int(self.info["world"]),
-            timeout=timeout,
+            rank=ranks.index(me) + 1,
+            world_size=len(ranks) + 1,
+            timeout=datetime.timedelta(seconds=float(self.info.get("timeout_s", 300))),
         )
         self.generation = gen
         self.receiver = WeightReceiver(
@@ -438,6 +521,9 @@ class _WorkerSync:
             result = self.receiver.receive()
             if result.version != version:
                 raise WeightSyncError(f"received version {result.version}, announced {version}")
+        except _NotMember as e:  # registered after the update began: the trainer retires us
+            return {"weight_version": int(self.engine.weight_version), "member": False,
+                    "error": str(e)}  # fmt: skip
         except Exception as e:  # refused, corrupt or broken: the old weights keep serving
             if not isinstance(e, WeightSyncError) or e.transport_broken:
                 self.close_group()
@@ -493,12 +579,14 @@ def build_engine(
     tokenizer: str | None = None,
     vocab_size: int | None = None,
     weight_version: int = 0,
+    weights_file: str | None = None,
     **inference_config: Any,
 ) -> Any:
     """Engine factory for worker processes: a preset ("tiny" | "small" | "medium": random weights
     seeded so every process gets identical ones) or an HF checkpoint directory. `tokenizer` is
     "byte", "none" (token-id prompts only), a tokenizer directory, or None (presets: byte;
-    checkpoints: the checkpoint's own)."""
+    checkpoints: the checkpoint's own). `weights_file` (a rollout.runtime.snapshot file) replaces
+    the source's weights: a restarted engine starts from the last weights pushed."""
     from rollout.engine.config import InferenceConfig, resolve_dtype
     from rollout.engine.engine import DynamicInferenceEngine
     from rollout.models import ModelConfig, build_model, load_pretrained
@@ -516,5 +604,10 @@ def build_engine(
         net = build_model(config, device=device, seed=seed)
     else:
         net, _ = load_pretrained(model, device=device or "cpu", dtype=resolve_dtype(dtype))
+    if weights_file is not None:
+        from rollout.models import load_state_dict
+        from rollout.runtime.snapshot import load_snapshot
+
+        load_state_dict(net, load_snapshot(weights_file), strict=True)
     cfg = InferenceConfig(device=device, dtype=dtype, **inference_config)
     return DynamicInferenceEngine(net.eval(), tok, cfg, weight_version)

@@ -1,10 +1,12 @@
 """`EngineCluster`: a coordinator + N engine processes + a client on a background loop.
 
 It spawns the coordinator and N `EngineWorker`s (spawn context), waits until every engine
-registered, keeps a client on the loop, pushes weights to the engines (`update_weights`: a
-SET_WEIGHT_VERSION control through the coordinator tells every worker to join the trainer's
-gloo/NCCL group and receive a bucketed broadcast; `_TrainerSync` is the trainer's side of that
-group), and tears it all down: STOP, SHUTDOWN, join with timeouts, then SIGTERM/SIGKILL.
+registered, keeps a client on the loop, supervises the engines (`EngineSupervisor`: a dead one
+restarts from the last weights pushed, `WeightSnapshot`), pushes weights to the engines that are
+serving (`update_weights`: a SET_WEIGHT_VERSION control through the coordinator tells every worker
+to join the trainer's gloo/NCCL group for this update and receive a bucketed broadcast;
+`_TrainerSync` is the trainer's side of that group), and tears it all down: STOP, SHUTDOWN, join
+with timeouts, then SIGTERM/SIGKILL.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import datetime
 import multiprocessing as mp
 import shutil
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -29,9 +32,11 @@ from torch import nn
 from rollout.runtime.event_loop import EventLoopManager
 from rollout.runtime.model_source import model_source_kwargs
 from rollout.runtime.processes import _coordinator_spawn, stop_processes
+from rollout.runtime.snapshot import WeightSnapshot
+from rollout.runtime.supervisor import EngineSupervisor, Event, RestartPolicy
 from rollout.weights import WeightSender, WeightSyncError, as_state_dict
 
-STORE_KEY = "rollout/weight_sync/generation"
+STORE_KEY = "rollout/weight_sync/generation"  # "<number>:<backend>:<member ranks, comma separated>"
 
 
 class EngineCluster:
@@ -39,7 +44,12 @@ class EngineCluster:
 
     `inference_config` is an InferenceConfig or a dict of its fields; `coordinator` a dict of
     CoordinatorConfig overrides. `weight_sync=True` lets `update_weights` push weights to the
-    engines (the trainer process becomes rank 0 of a 1 + N group, created on first use).
+    engines (the trainer process becomes rank 0 of a group with the serving engines, created on
+    first use and rebuilt when they change). `restart` (a RestartPolicy or its fields) says how
+    dead engines come back; `weights_snapshot` ("memory" | "disk") where the last pushed weights
+    are kept for them (see rollout.runtime.snapshot for the memory cost). `on_event(kind, rank,
+    details)` hears of engine exits, restarts and give-ups (called on the supervisor thread).
+    `worker_options` are extra EngineWorker kwargs (e.g. coordinator_timeout_s).
     """
 
     def __init__(
@@ -58,9 +68,13 @@ class EngineCluster:
         weight_sync: bool = True,
         bucket_bytes: int = 64 << 20,
         ready_timeout_s: float = 120.0,
-        sync_timeout_s: float = 300.0,
+        sync_timeout_s: float = 60.0,
         engine_factory: Callable[..., Any] | None = None,
         loop: EventLoopManager | None = None,
+        restart: RestartPolicy | Mapping[str, Any] | None = None,
+        weights_snapshot: str = "memory",
+        on_event: Event | None = None,
+        worker_options: Mapping[str, Any] | None = None,
     ) -> None:
         if isinstance(num_engines, bool) or not isinstance(num_engines, int) or num_engines < 1:
             raise ValueError(f"num_engines must be an int >= 1, got {num_engines!r}")
@@ -85,6 +99,13 @@ class EngineCluster:
         self.address: str | None = None
         self.client: Any = None
         self.sync: _TrainerSync | None = None
+        self.restart_policy = RestartPolicy.of(restart)
+        self.snapshot = (WeightSnapshot(self._tmp, weights_snapshot)
+                         if weight_sync and self.restart_policy.max_restarts > 0 else None)  # fmt: skip
+        self.supervisor: EngineSupervisor | None = None
+        self.on_event = on_event
+        self.worker_options = dict(worker_options or {})
+        self._update_lock = threading.Lock()  # one update at a time; restarts read its result
         self._closed = False
         ref = weakref.ref(self)
         self._atexit = lambda: (c := ref()) is not None and c.close()
@@ -110,25 +131,65 @@ class EngineCluster:
         return self
 
     def start_coordinator(self) -> str:
-        self.coordinator_process, self.address = _coordinator_spawn(30.0, self.coordinator_config)
+        self.coordinator_process, self.address, self.auth_token = _coordinator_spawn(
+            30.0, self.coordinator_config
+        )
         return self.address
 
     def start_engines(self) -> list[mp.Process]:
-        from rollout.engine.worker import EngineWorker, build_engine
 
         if self.weight_sync:
-            self.sync = _TrainerSync(self.num_engines, self.bucket_bytes, self.sync_timeout_s)
-        factory = self.engine_factory or build_engine
+            self.sync = _TrainerSync(self.bucket_bytes, self.sync_timeout_s)
         for rank in range(self.num_engines):
-            wkw: dict[str, Any] = {"auth_token": self.auth_token}
-            if self.sync is not None:
-                wkw["weight_sync"] = self.sync.worker_info(rank)
-            proc = EngineWorker.spawn(self.address, rank, factory, self.factory_kwargs, wkw)
-            self.engine_processes.append(proc)
+            self.engine_processes.append(self._spawn_engine(rank, self.factory_kwargs))
         return self.engine_processes
 
+    def _spawn_engine(self, rank: int, factory_kwargs: dict[str, Any]) -> mp.Process:
+        from rollout.engine.worker import EngineWorker, build_engine
+
+        wkw: dict[str, Any] = {**self.worker_options, "auth_token": self.auth_token}
+        if self.sync is not None:
+            wkw["weight_sync"] = self.sync.worker_info(rank)
+        factory = self.engine_factory or build_engine
+        return EngineWorker.spawn(self.address, rank, factory, factory_kwargs, wkw)
+
+    def _respawn(self, rank: int) -> mp.Process:
+        """Supervisor callback: rank's engine again, loading the current weights and version.
+        Waits for an update in progress, so it starts from that update's result."""
+        coordinator = self.coordinator_process
+        if coordinator is None or not coordinator.is_alive():
+            raise RuntimeError("the coordinator is gone")
+        while not self._update_lock.acquire(timeout=0.5):
+            if self.supervisor is None or self.supervisor.stopping:
+                raise RuntimeError("the cluster is closing")
+        try:
+            return self._spawn_engine(rank, {**self.factory_kwargs, **self._current_weights()})
+        finally:
+            self._update_lock.release()
+
+    def _current_weights(self) -> dict[str, Any]:
+        """build_engine kwargs for the weights the engines serve now."""
+        if self.snapshot is not None:
+            return self.snapshot.engine_kwargs()
+        if self.sync is None:  # versions are labels only: take the coordinator's
+            return {"weight_version": int(self.stats()["weight_version"])}
+        return {}
+
+    def supervise(self) -> EngineSupervisor:
+        """Start restarting dead engines (after start-up: a failing start raises instead)."""
+        if self.supervisor is None:
+            self.supervisor = EngineSupervisor(
+                self.restart_policy, self.engine_processes, self._respawn, self.on_event
+            ).start()
+        return self.supervisor
+
+    def supervision_stats(self) -> dict[str, Any]:
+        if self.supervisor is None:
+            return {"restarts": 0, "stale_restarts": 0, "gave_up": [], "engines": {}}
+        return self.supervisor.stats()
+
     def wait_ready(self) -> None:
-        """Connect the client and wait (STATS) until every engine registered."""
+        """Connect the client, wait (STATS) until every engine registered, then supervise."""
         from rollout.client import InferenceClient
 
         self.loop.start()
@@ -144,6 +205,7 @@ class EngineCluster:
             if dead:
                 raise RuntimeError(f"{dead[0].name} exited with code {dead[0].exitcode}")
             if len(self.stats()["engines"]) >= self.num_engines:
+                self.supervise()
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"engines not registered within {self.ready_timeout_s}s")
@@ -174,38 +236,82 @@ class EngineCluster:
         version: int,
         on_bucket: Callable[[int, torch.Tensor], None] | None = None,
     ) -> dict[int, dict]:
-        """Broadcast `source` as `version` to every engine; returns each rank's ack info
-        (weight_version, checksum, bytes, seconds). Raises WeightSyncError when any engine did
-        not apply it: then every engine still serves its previous version."""
+        """Broadcast `source` as `version` to every serving engine; returns each rank's ack info
+        (weight_version, checksum, bytes, seconds). Raises WeightSyncError when a serving engine
+        did not apply it: then every engine still serves its previous version.
+
+        Dead engines are left out (they restart from these weights); an engine that dies
+        mid-transfer costs one retry on the survivors; an engine that joined meanwhile with older
+        weights is retired and restarted. So this returns within about two sync timeouts and no
+        engine serves older weights afterwards.
+        """
         if self.sync is None:
             raise RuntimeError("this cluster was started with weight_sync=False")
+        sd = as_state_dict(source)
+        with self._update_lock:
+            members = self._serving_ranks()
+            try:
+                infos = self._push(sd, version, members, on_bucket)
+            except WeightSyncError as e:
+                survivors = self._serving_ranks()
+                if not e.transport_broken or survivors == members:
+                    raise
+                infos = self._push(sd, version, survivors, on_bucket)
+            if self.snapshot is not None:
+                self.snapshot.save(sd, version)
+            self.sync.commit(version)
+            self._retire_stale(version)
+        return infos
+
+    def _serving_ranks(self) -> list[int]:
+        """Ranks whose process is alive and registered with the coordinator."""
+        engines = self.stats()["engines"]
+        return sorted(
+            int(r) for r, e in engines.items()
+            if not e["stopped"] and self.engine_processes[int(r)].is_alive()
+        )  # fmt: skip
+
+    def _push(
+        self, sd: dict[str, torch.Tensor], version: int, members: list[int], on_bucket: Any
+    ) -> dict[int, dict]:
         sync = self.sync
-        sync.prepare()  # the generation key must be in the store before workers look
+        sync.prepare(members)  # the generation key must be in the store before workers look
         ack = self.loop.submit(self._control(lambda: self.client.set_weight_version(version)))
-        try:
-            result = sync.send(as_state_dict(source), version, on_bucket)
-        except BaseException as e:
-            broken = not isinstance(e, WeightSyncError) or e.transport_broken
-            if broken:  # rebuild the group next time (a new generation)
-                sync.broken()
-            infos = _result(ack, self.sync_timeout_s)
-            if not isinstance(e, Exception):  # Ctrl-C / SystemExit: engines are safe, go on
-                raise
-            raise WeightSyncError(
-                f"weight update to version {version} failed ({e}); engines report "
-                f"{ {r: i.get('weight_version') for r, i in infos.items()} }",
-                transport_broken=broken,
-            ) from e
+        result = None
+        if members:
+            try:
+                result = sync.send(sd, version, on_bucket)
+            except BaseException as e:
+                broken = not isinstance(e, WeightSyncError) or e.transport_broken
+                if broken:  # rebuild the group next time (a new generation)
+                    sync.broken()
+                infos = _result(ack, self.sync_timeout_s)
+                if not isinstance(e, Exception):  # Ctrl-C / SystemExit: engines are safe, go on
+                    raise
+                raise WeightSyncError(
+                    f"weight update to version {version} failed ({e}); engines report "
+                    f"{ {r: i.get('weight_version') for r, i in infos.items()} }",
+                    transport_broken=broken,
+                ) from e
         infos = _result(ack, self.sync_timeout_s)
-        bad = {r: i for r, i in infos.items() if i.get("weight_version") != version}
+        applied = {r: i for r, i in infos.items() if int(r) in members and "lost" not in i}
+        bad = {r: i for r, i in applied.items() if i.get("weight_version") != version}
         if bad:
             raise WeightSyncError(f"engines did not apply version {version}: {bad}")
-        sums = {i.get("checksum") for i in infos.values()}
+        sums = {i.get("checksum") for i in applied.values()}
         if len(sums) > 1:
             raise WeightSyncError(f"engines disagree on the weights of version {version}: {infos}")
-        for i in infos.values():
-            i["sender_seconds"] = result.seconds
-        return infos
+        for i in applied.values():
+            i["sender_seconds"] = result.seconds if result is not None else 0.0
+        return applied
+
+    def _retire_stale(self, version: int) -> None:
+        """Engines serving another version (registered while this update ran) restart."""
+        if self.supervisor is None:
+            return
+        for rank, e in self.stats()["engines"].items():
+            if not e["stopped"] and e["weight_version"] != version:
+                self.supervisor.retire(int(rank))
 
     async def _control(self, make: Callable[[], Any]) -> Any:
         return await make()
@@ -218,6 +324,8 @@ class EngineCluster:
             return
         self._closed = True
         atexit.unregister(self._atexit)
+        if self.supervisor is not None:
+            self.supervisor.stop(timeout_s)
         if self.client is not None and self.loop.running:
             with contextlib.suppress(Exception):  # best effort: the processes are joined below
                 self.call(lambda: self.client.pause_engines(), timeout_s / 2)
@@ -272,10 +380,9 @@ class _TrainerSync:
     to the workers at spawn) hosts one rendezvous per group *generation*; a broken transfer
     bumps the generation and the next update builds a fresh group without new ports."""
 
-    def __init__(self, num_engines: int, bucket_bytes: int, timeout_s: float) -> None:
+    def __init__(self, bucket_bytes: int, timeout_s: float) -> None:
         import torch.distributed as dist
 
-        self.world = num_engines + 1
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -287,16 +394,29 @@ class _TrainerSync:
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         self.generation = 0
+        self.members: list[int] = []
         self.sender: WeightSender | None = None
 
     def worker_info(self, rank: int) -> dict[str, Any]:
-        return {"host": "127.0.0.1", "port": self.store.port, "rank": rank + 1,
-                "world": self.world, "timeout_s": self.timeout_s}  # fmt: skip
+        return {"host": "127.0.0.1", "port": self.store.port, "rank": rank,
+                "timeout_s": self.timeout_s}  # fmt: skip
 
-    def prepare(self) -> None:
-        if self.sender is None:
+    def prepare(self, members: list[int]) -> None:
+        """Announce this update's group: the same one again, or a new generation when the last
+        transfer broke or the serving engines changed."""
+        if self.sender is None or members != self.members:
+            self.broken()
             self.generation += 1
-            self.store.set(STORE_KEY, f"{self.generation}:{self.backend}")
+            self.members = list(members)
+            ranks = ",".join(map(str, members))
+            self.store.set(STORE_KEY, f"{self.generation}:{self.backend}:{ranks}")
+
+    def commit(self, version: int) -> None:
+        """Record `version` as what every serving engine holds (engines that register later
+        compare theirs with it)."""
+        from rollout.engine.worker import COMMITTED_KEY
+
+        self.store.set(COMMITTED_KEY, str(version))
 
     def send(self, sd: dict[str, torch.Tensor], version: int, on_bucket: Any) -> Any:
         import torch.distributed as dist
@@ -311,7 +431,7 @@ class _TrainerSync:
                 self.backend,
                 store=dist.PrefixStore(f"rollout/weight_sync/{self.generation}/", self.store),
                 rank=0,
-                world_size=self.world,
+                world_size=len(self.members) + 1,
                 timeout=datetime.timedelta(seconds=self.timeout_s),
             )
             self.sender = WeightSender(bucket_bytes=self.bucket_bytes)

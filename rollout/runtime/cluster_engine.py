@@ -136,6 +136,10 @@ class ClusterEngine:
             out[f"engine/rank{rank}/assigned"] = e["assigned"]
         for k, v in s.get("counters", {}).items():
             out[f"coordinator/{k}"] = v
+        sup = self.cluster.supervision_stats()
+        out["engine/restarts"] = sup["restarts"]
+        out["engine/stale_restarts"] = sup["stale_restarts"]
+        out["engine/gave_up"] = len(sup["gave_up"])
         for rank, info in self.last_sync.items():
             for k in ("checksum", "seconds", "bytes"):
                 if isinstance(info.get(k), (int, float)):

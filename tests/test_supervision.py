@@ -1,0 +1,231 @@
+"""Supervision: dead engines restart (backoff, limit) from the last weights pushed; a hung engine
+that comes back is re-admitted with the service's pause state and weights; weight updates finish
+on the survivors in bounded time. Real coordinator and engine processes, tiny model."""
+
+from __future__ import annotations
+
+import copy
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+
+import pytest
+import torch
+
+from rollout import LLM, InferenceConfig, SamplingParams
+from rollout.engine.worker import EXIT_STALE_WEIGHTS
+from rollout.models import ModelConfig, build_model
+from rollout.runtime import EngineCluster
+from rollout.runtime.supervisor import EngineSupervisor, RestartPolicy
+from rollout.tokenizers import ByteTokenizer
+
+pytestmark = pytest.mark.timeout(240)
+
+SP = SamplingParams(temperature=0.0, num_tokens_to_generate=6, ignore_eos=True)
+PROMPTS = ["hello", "a longer prompt", [5, 6, 7, 8, 9], "xyz", "abc abc", [40, 41, 42]]
+FAST = {"heartbeat_s": 0.2, "engine_timeout_s": 1.0, "policy": "round_robin"}
+
+
+def wait_for(pred, timeout: float, what: str) -> None:
+    """Poll `pred` (a cheap state read) until true; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _perturbed(model: torch.nn.Module, scale: float = 0.05) -> torch.nn.Module:
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(scale * torch.randn_like(p))
+    return new
+
+
+def _greedy(model: torch.nn.Module, prompts=PROMPTS) -> list[list[int]]:
+    out = LLM(model, ByteTokenizer(), InferenceConfig(num_blocks=64)).generate(prompts, SP)
+    return [r.generated_tokens for r in out]
+
+
+# ---- the restart policy and the supervisor on plain processes -------------------------------
+
+
+def test_restart_policy_validates_and_backs_off():
+    p = RestartPolicy(max_restarts=3, backoff_s=0.5, backoff_max_s=3.0)
+    assert [p.delay(k) for k in range(4)] == [0.5, 1.0, 2.0, 3.0]
+    assert RestartPolicy.of({"max_restarts": 0}).max_restarts == 0
+    for bad in ({"max_restarts": -1}, {"max_restarts": 1.5}, {"window_s": 0},
+                {"backoff_s": 5.0, "backoff_max_s": 1.0}):  # fmt: skip
+        with pytest.raises(ValueError):
+            RestartPolicy(**bad)
+
+
+def _exit_with(code: int) -> None:
+    sys.exit(code)
+
+
+def _spawn(code: int) -> mp.Process:
+    proc = mp.get_context("spawn").Process(target=_exit_with, args=(code,), daemon=True)
+    proc.start()
+    return proc
+
+
+def test_supervisor_restarts_crashes_with_backoff_then_gives_up():
+    """Rank 0 crashes every time: 2 restarts, then it is given up. Rank 1 exits 0 (told to
+    stop): left down. Rank 2 exits stale twice, then stays up: restarted at once, not counted."""
+    events: list[tuple[str, int]] = []
+    stale_left = [2]
+
+    def respawn(rank: int) -> mp.Process:
+        if rank == 2:
+            stale_left[0] -= 1
+            return _spawn(EXIT_STALE_WEIGHTS) if stale_left[0] > 0 else _sleeper()
+        return _spawn(1)
+
+    procs = [_spawn(1), _spawn(0), _spawn(EXIT_STALE_WEIGHTS)]
+    policy = RestartPolicy(max_restarts=2, window_s=60, backoff_s=0.05, backoff_max_s=0.1)
+    sup = EngineSupervisor(policy, procs, respawn, lambda k, r, d: events.append((k, r)))
+    sup.start()
+    try:
+        wait_for(lambda: sup.stats()["gave_up"] == [0], 60, "rank 0 given up")
+        wait_for(lambda: sup.stats()["engines"][2]["state"] == "running", 60, "rank 2 up")
+        stats = sup.stats()
+        assert stats["engines"][0]["restarts"] == 2 and stats["engines"][1]["state"] == "stopped"
+        assert stats["engines"][2]["restarts"] == 2 and stats["stale_restarts"] == 2
+        assert [k for k, r in events if r == 0] == ["exited", "restarted"] * 2 + ["exited",
+                                                                                  "gave_up"]  # fmt: skip
+        assert ("restarted", 1) not in events
+    finally:
+        sup.stop()
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+
+
+def _sleep_forever() -> None:
+    time.sleep(120)
+
+
+def _sleeper() -> mp.Process:
+    proc = mp.get_context("spawn").Process(target=_sleep_forever, daemon=True)
+    proc.start()
+    return proc
+
+
+# ---- real engines ----------------------------------------------------------------------------
+
+
+def test_hung_engine_is_readmitted_paused_and_restarted_when_it_missed_an_update():
+    """SIGSTOP past the coordinator's engine timeout (and past the worker's own silence timeout)
+    while a pause goes out; SIGCONT: the same process re-registers, adopts PAUSED, serves after
+    UNPAUSE. Stopped again across a weight update: it comes back, finds it missed the update and
+    is replaced by an engine with the committed weights."""
+    model = build_model(ModelConfig.preset("tiny", vocab_size=259), seed=3).eval()
+    cluster = EngineCluster(
+        2, model, tokenizer=ByteTokenizer(), inference_config={"num_blocks": 64},
+        coordinator=FAST, restart={"backoff_s": 0.1}, sync_timeout_s=30,
+        worker_options={"coordinator_timeout_s": 2.0},
+    ).start()  # fmt: skip
+    client = cluster.client
+    try:
+        hung = cluster.engine_processes[1]
+        first_id = cluster.stats()["engines"][1]["engine_id"]
+        os.kill(hung.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        infos = cluster.call(lambda: client.pause_engines(), 30)
+        assert infos[1] == {"lost": "timed_out"}  # the pause did not wait for the hung engine
+        # stopped past the worker's own 2 s silence timeout too: the silence was its own
+        time.sleep(max(0.0, stopped_at + 3.0 - time.monotonic()))
+        os.kill(hung.pid, signal.SIGCONT)
+        wait_for(lambda: cluster.stats()["engines"].get(1, {}).get("engine_id", first_id)
+                 != first_id, 30, "re-registration")  # fmt: skip
+        assert hung.is_alive() and cluster.engine_processes[1] is hung  # no restart needed
+        futs = cluster.call(lambda: [client.add_request(p, SP) for p in PROMPTS])
+        wait_for(lambda: cluster.stats()["engines"][1]["load"].get("waiting") == 3, 30,
+                 "requests waiting on the paused engine")  # fmt: skip
+        assert not any(f.done() for f in futs)
+        cluster.call(lambda: client.unpause_engines())
+        records = cluster.call(lambda: _gather(futs), 60)
+        assert [r.merge().generated_tokens for r in records] == _greedy(model)
+
+        os.kill(hung.pid, signal.SIGSTOP)
+        wait_for(lambda: 1 not in cluster.stats()["engines"], 30, "hung engine dropped")
+        new = _perturbed(model)
+        acks = cluster.update_weights(new, 1)
+        assert sorted(acks) == [0]
+        os.kill(hung.pid, signal.SIGCONT)
+        wait_for(lambda: cluster.stats()["engines"].get(1, {}).get("weight_version") == 1, 60,
+                 "the replacement engine with version 1")  # fmt: skip
+        assert cluster.supervision_stats()["stale_restarts"] == 1
+        assert hung.exitcode == EXIT_STALE_WEIGHTS and cluster.engine_processes[1] is not hung
+        out = cluster.call(lambda: _gather([client.add_request(p, SP) for p in PROMPTS]), 60)
+        assert [r.merge().generated_tokens for r in out] == _greedy(new)
+        assert all(set(r.merge().generated_weight_versions) == {1} for r in out)
+    finally:
+        for p in cluster.engine_processes:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGCONT)
+        cluster.close()
+
+
+async def _gather(futs):
+    import asyncio
+
+    return await asyncio.gather(*futs)
+
+
+def test_llm_engine_killed_update_weights_completes_and_restart_serves_current_weights():
+    model = build_model(ModelConfig.preset("tiny", vocab_size=259), seed=3).eval()
+    llm = LLM(model, ByteTokenizer(), InferenceConfig(num_blocks=64), use_coordinator=True,
+              data_parallel_size=2, coordinator=FAST)  # fmt: skip
+    cluster = llm.cluster
+    try:
+        v1 = _perturbed(model)
+        llm.update_weights(v1, 1)
+        dead = cluster.engine_processes[1]
+        os.kill(dead.pid, signal.SIGKILL)
+        dead.join(10)
+        v2 = _perturbed(v1)
+        t0 = time.monotonic()
+        acks = llm.update_weights(v2, 2)  # completes on the survivor, not after a timeout
+        assert time.monotonic() - t0 < cluster.sync_timeout_s / 2
+        assert set(acks) <= {0, 1} and acks[0]["weight_version"] == 2
+        wait_for(lambda: cluster.supervision_stats()["restarts"] == 1, 60, "restart")
+        wait_for(lambda: sorted(cluster.stats()["engines"]) == [0, 1], 60, "2 engines")
+        assert {e["weight_version"] for e in cluster.stats()["engines"].values()} == {2}
+        out = llm.generate(PROMPTS, SP)  # round robin: both engines serve
+        assert [r.generated_tokens for r in out] == _greedy(v2) != _greedy(v1)
+        assert all(set(r.generated_weight_versions) == {2} for r in out)
+        v3 = _perturbed(v2)
+        acks = llm.update_weights(v3, 3)  # later updates reach both again
+        assert sorted(acks) == [0, 1]
+        out = llm.generate(PROMPTS, SP)
+        assert [r.generated_tokens for r in out] == _greedy(v3)
+    finally:
+        llm.shutdown()
+
+
+def test_restart_limit_reached_leaves_the_rank_down_and_the_rest_serving():
+    model = build_model(ModelConfig.preset("tiny", vocab_size=259), seed=3).eval()
+    events: list[tuple[str, int]] = []
+    cluster = EngineCluster(
+        2, model, tokenizer=ByteTokenizer(), inference_config={"num_blocks": 64},
+        coordinator=FAST, restart={"max_restarts": 0},
+        on_event=lambda k, r, d: events.append((k, r)),
+    ).start()  # fmt: skip
+    try:
+        assert cluster.snapshot is None  # no restarts: no copy of the weights kept
+        os.kill(cluster.engine_processes[0].pid, signal.SIGKILL)
+        wait_for(lambda: cluster.supervision_stats()["gave_up"] == [0], 30, "give-up")
+        assert events == [("exited", 0), ("gave_up", 0)]
+        wait_for(lambda: sorted(cluster.stats()["engines"]) == [1], 30, "rank 0 dropped")
+        out = cluster.call(lambda: _gather([cluster.client.add_request(p, SP) for p in PROMPTS]))
+        assert [r.merge().generated_tokens for r in out] == _greedy(model)
+        acks = cluster.update_weights(_perturbed(model), 1)
+        assert sorted(acks) == [1]
+    finally:
+        cluster.close()

@@ -1,0 +1,64 @@
+"""A worker the coordinator forgot (it was frozen past the engine timeout) joins again cleanly:
+errors answering frames it sent before re-registering are stale, not a refusal, and it adopts
+the service's lifecycle state before it takes work. Real coordinator and sockets, fake engine."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from fake_engine import FakeEngine, Harness
+
+from rollout.engine.worker import EngineWorker
+from rollout.protocol import Headers
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _wait(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("state", ["PAUSED", "SUSPENDED"])
+async def test_forgotten_worker_ignores_stale_errors_and_adopts_state(state):
+    h = Harness()  # engine_timeout_s=1.0
+    client = await h.client()
+    engine = FakeEngine()
+    worker = EngineWorker(engine, h.address, 0, auth_token=h.auth_token)
+    try:
+        worker.register()
+        _wait(lambda: len(h.coord.engines) == 1, 5, "registration")
+        await client.pause_engines()  # goes out after the engine froze: it never sees it
+        if state == "SUSPENDED":
+            await client.suspend_engines("recompute")
+        # "frozen": no heartbeats; the coordinator forgets the engine after its timeout
+        _wait(lambda: not h.coord.engines, 10, "the coordinator forgetting the engine")
+        # frames sent before the worker learns it was forgotten: each gets "unknown peer"
+        worker._send(Headers.HEARTBEAT, {})
+        worker._send(Headers.HEARTBEAT, {})
+        worker.running = True
+        # the first error -> register(); the second one arrives meanwhile and is stale
+        _wait(lambda: _drained(worker) and len(h.coord.engines) == 1, 5, "re-registration")
+        assert h.coord.counters["engines_registered"] == 2
+        assert worker.paused
+        assert (worker.suspended is not None) == (state == "SUSPENDED")
+        assert (engine.suspended is not None) == (state == "SUSPENDED")
+        if state == "SUSPENDED":
+            await client.resume_engines()
+        await client.unpause_engines()
+        _wait(lambda: _drained(worker) and not worker.paused, 5, "unpause reaching the worker")
+        assert worker.suspended is None and engine.suspended is None
+    finally:
+        worker.running = False
+        worker.close()
+        client.stop()
+        h.close()
+
+
+def _drained(worker: EngineWorker) -> bool:
+    worker._drain()
+    return True
