@@ -52,7 +52,11 @@ def _options():
 
 
 # What each option needs besides itself to make a valid run (cross-field checks).
-_EXTRA = {("rollout", "async"): ["trainer.tis_cap=2.0"]}
+_EXTRA = {
+    ("rollout", "async"): ["trainer.tis_cap=2.0"],
+    # engine=gpu asks for CUDA, a config error without it (tests/test_readme_commands.py).
+    ("engine", "gpu"): [] if torch.cuda.is_available() else ["model.device=cpu"],
+}
 
 
 def test_every_group_has_options():
