@@ -253,7 +253,8 @@ class RolloutManager(EngineDriver):
         batch: list[Sample] = []
         groups_needed = batch_size_groups
         while groups_needed:
-            self._wait(lambda k=groups_needed: len(self._ready) >= k or self._exhausted())
+            want = min(groups_needed, self._inflight_cap())  # never more than may be in flight
+            self._wait(lambda k=want: len(self._ready) >= k or self._exhausted())
             with self._cv:
                 take = [
                     self._groups.pop(self._ready.popleft())
@@ -490,7 +491,16 @@ class RolloutManager(EngineDriver):
             self._on_request(self._failed_request(rid, error))
 
     def _failed_request(self, rid: int, error: Exception) -> DynamicInferenceRequest:
-        req = DynamicInferenceRequest(request_id=rid, status=Status.FAILED)
+        """A FAILED record for request `rid` (its prompt kept when the group is still here)."""
+        g = self._groups.get(self._requests[rid][0])
+        prompt = None if g is None else g.prompt
+        text = prompt if isinstance(prompt, str) else None
+        tokens = None
+        with contextlib.suppress(ValueError, TypeError):  # a prompt the engine could not take
+            tokens = None if prompt is None or text is not None else torch.as_tensor(prompt)
+        req = DynamicInferenceRequest(rid, prompt=text, status=Status.FAILED)
+        if tokens is not None and tokens.dim() == 1 and not tokens.is_floating_point():
+            req.prompt_tokens = tokens.to(torch.int64)
         req.add_event_error_nontransient(error)
         req.add_event_fail()
         return req

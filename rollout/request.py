@@ -314,20 +314,24 @@ class DynamicInferenceRequest(InferenceRequest):
     def _staleness_device(self) -> torch.device:
         return self.prompt_tokens.device if self.prompt_tokens is not None else torch.device("cpu")
 
+    # Out of place: the engine creates these tensors inside torch.inference_mode (a step that
+    # evicts and checkpoints) and updates them outside it (update_weights), where an in-place
+    # write to an inference tensor raises.
+
     def increment_staleness(self, policy_only: bool = False) -> None:
         """One weight update happened: +1 on every token (untracked ones start at 1)."""
         n, dev = self.total_length, self._staleness_device()
-        self.policy_staleness = _grow(self.policy_staleness, n, dev).add_(1)
+        self.policy_staleness = _grow(self.policy_staleness, n, dev) + 1
         if not policy_only:
-            self.kv_cache_staleness = _grow(self.kv_cache_staleness, n, dev).add_(1)
+            self.kv_cache_staleness = _grow(self.kv_cache_staleness, n, dev) + 1
 
     def reset_kv_staleness(self, start: int = 0) -> None:
         """KV of positions [start:] was just recomputed under the current weights."""
         n = self.total_length
         if not 0 <= start <= n:
             raise ValueError(f"start must be in [0, {n}], got {start!r}")
-        self.kv_cache_staleness = _grow(self.kv_cache_staleness, n, self._staleness_device())
-        self.kv_cache_staleness[start:] = 0
+        kept = _grow(self.kv_cache_staleness, n, self._staleness_device())[:start]
+        self.kv_cache_staleness = torch.cat([kept, kept.new_zeros(n - start)])
 
     # -- events
 

@@ -259,6 +259,13 @@ def test_collect_returns_partial_batch_then_empty_when_source_ends():
     assert sorted({s.group_id for s in a + b}) == [0, 1, 2]
 
 
+def test_collect_more_groups_than_may_be_in_flight():
+    """A batch larger than max_inflight_groups is collected in installments, not awaited whole."""
+    with _manager(max_inflight_groups=2) as m:
+        batch = m.collect(iter([[i + 1, 2] for i in range(20)]), 5, n=2, sampling_params=_sp(3))
+    assert len(batch) == 10 and len({s.group_id for s in batch}) == 5
+
+
 def test_stats_describe_the_whole_batch_not_its_last_group():
     """Partial rollouts carried over an update come first, fresh groups last: the staleness
     stats must cover the whole batch handed out (a trainer logs them as the batch's)."""
@@ -316,6 +323,32 @@ def test_async_update_lands_between_steps_and_close_on_exception():
             assert s.policy_staleness == [sum(u > v for u in range(1, 4)) for v in s.token_versions]
         raise KeyError("trainer crashed")
     assert m.closed and not m._thread.is_alive()
+
+
+def test_async_thread_survives_a_raising_engine_step():
+    """A step that raises (a query of death the engine did not isolate) fails the requests in
+    flight as failed samples, counted and logged; the thread keeps generating."""
+    with _manager(mode="async", max_inflight_groups=2) as m:
+        schedule = m.engine.scheduler.schedule
+
+        def poisoned(version):
+            batch = schedule(version)
+            if any(99 in seq.tokens for seq, _ in batch):
+                raise OverflowError("poisoned step")
+            return batch
+
+        m.engine.scheduler.schedule = poisoned
+        prompts = iter([[1, 2], [99, 2], *([i + 3, 2] for i in range(50))])
+        batches = [m.collect(prompts, 2, n=2, sampling_params=_sp(4)) for _ in range(4)]
+        stats = m.stats()
+        assert m._thread.is_alive()
+    failed = [s for b in batches for s in b if s.failed]
+    assert failed and all("OverflowError: poisoned step" in s.error for s in failed)
+    assert any(s.prompt_tokens == [99, 2] for s in failed)
+    assert (
+        stats["rollout/samples_failed"] == len(failed) and stats["rollout/engine_step_errors"] >= 1
+    )
+    assert all(len(s.completion_tokens) == 4 for s in batches[-1])  # generation went on
 
 
 def test_from_run_config_with_text_prompts():

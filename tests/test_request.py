@@ -438,6 +438,22 @@ def test_staleness_version_carried_by_checkpoint_merge_and_wire():
         DynamicInferenceRequest(1, staleness_version="5")
 
 
+def test_staleness_counters_made_in_inference_mode_update_outside_it():
+    """The engine checkpoints (evicts) inside torch.inference_mode and increments staleness in
+    update_weights, outside it."""
+    rec = DynamicInferenceRequestRecord.from_request(make(n=6))
+    with torch.inference_mode():
+        rec[0].append_token(1, weight_version=0)
+        rec[0].reset_kv_staleness(0)
+        rec[0].increment_staleness()
+        rec.checkpoint()
+        rec[-1].reset_kv_staleness(3)
+    rec.increment_staleness()
+    rec[-1].reset_kv_staleness(5)
+    assert rec[-1].policy_staleness.tolist() == [2] * 6
+    assert rec[-1].kv_cache_staleness.tolist() == [2, 2, 2, 1, 1, 0]
+
+
 def test_failed_is_wider_than_the_status():
     """The documented differences between failed() and `status == FAILED`."""
     ok = make(n=2)
