@@ -4,6 +4,12 @@
 stops the engines, then the coordinator, and waits for every child: nothing is left behind.
 `rollout engine` runs one engine in the foreground that joins a coordinator elsewhere (another
 node), so a deployment can grow past one machine.
+
+Peers authenticate with a shared secret that never appears on a command line (every user of the
+machine can read those): `rollout serve` takes it from `--auth-token-file` or the environment
+(ROLLOUT_AUTH_TOKEN, ROLLOUT_AUTH_TOKEN_FILE), or generates one per launch and writes it to a file
+only this user can read, whose path it prints; `rollout engine` reads the same file or variables.
+`rollout serve` restarts engines that die (`--max-restarts` per 10 minutes, with backoff).
 """
 
 from __future__ import annotations
@@ -12,7 +18,10 @@ import argparse
 import os
 import signal
 import sys
+import tempfile
+import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 from rollout.coordinator.routing import POLICIES
 
@@ -25,7 +34,29 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--policy", default="load_balanced", choices=POLICIES)
     p.add_argument("--alpha", type=float, default=0.5, help="prefix policies: match weight")
-    p.add_argument("--auth-token", default=None, help="shared secret peers must present")
+    p.add_argument(
+        "--auth-token-file",
+        default=None,
+        help="file holding the shared secret peers must present (default: "
+        "$ROLLOUT_AUTH_TOKEN(_FILE), else a new one written to a 0600 file)",
+    )
+    p.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="no secret at all: any local process may join (trusted hosts only)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="restarts of one engine within 10 minutes before it is given up",
+    )
+    p.add_argument(
+        "--restart-backoff",
+        type=float,
+        default=1.0,
+        help="seconds before the first restart; doubles per recent crash (max 30)",
+    )
     _add_engine_options(p)
     p.add_argument("--schedule-log", default=None, help="write routing decisions here on exit")
     p.add_argument("--ready-timeout", type=float, default=300.0)
@@ -51,9 +82,23 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--coordinator", required=True, help="the address `rollout serve` printed")
     p.add_argument("--model", required=True, help='HF checkpoint directory, or "tiny" (tests)')
     p.add_argument("--rank", type=int, required=True, help="this engine's data-parallel rank")
-    p.add_argument("--auth-token", default=None, help="the coordinator's shared secret")
+    p.add_argument(
+        "--auth-token-file",
+        default=None,
+        help="file holding the coordinator's secret (the one `rollout serve` printed; "
+        "default: $ROLLOUT_AUTH_TOKEN, then $ROLLOUT_AUTH_TOKEN_FILE)",
+    )
     _add_engine_options(p)
     p.set_defaults(func=engine)
+
+
+def _token(command: str, args: argparse.Namespace) -> str | None:
+    from rollout.auth import resolve_token
+
+    try:
+        return resolve_token(token_file=args.auth_token_file)
+    except ValueError as e:
+        raise SystemExit(f"rollout {command}: {e}") from None
 
 
 def engine(args: argparse.Namespace) -> int:
@@ -61,8 +106,9 @@ def engine(args: argparse.Namespace) -> int:
 
     if args.rank < 0:
         raise SystemExit(f"rollout engine: --rank must be >= 0, got {args.rank}")
+    token = _token("engine", args)
     built = build_engine(args.model, device=args.device, dtype=args.dtype, **_engine_config(args))
-    worker = EngineWorker(built, args.coordinator, args.rank, auth_token=args.auth_token)
+    worker = EngineWorker(built, args.coordinator, args.rank, auth_token=token)
     print(f"engine {args.rank} pid {os.getpid()} -> {args.coordinator}", flush=True)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
@@ -83,12 +129,61 @@ def _check_serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"rollout serve: --dp must be >= 1, got {args.dp}")
     if not 0 <= args.port < 65536:
         raise SystemExit(f"rollout serve: --port must be in [0, 65535], got {args.port}")
+    if args.max_restarts < 0 or args.restart_backoff < 0:
+        raise SystemExit("rollout serve: --max-restarts and --restart-backoff must be >= 0")
+
+
+def _write_token_file(token: str) -> Path:
+    """The token in a new file only this user can read (in a private temp directory)."""
+    folder = Path(tempfile.mkdtemp(prefix="rollout-serve-"))  # mode 0700
+    path = folder / "auth_token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return path
+
+
+def _serve_token(args: argparse.Namespace) -> tuple[str | None, Path | None]:
+    """(token, file written for it): --auth-token-file / environment, else a new one."""
+    from rollout.auth import new_token
+
+    if args.allow_unauthenticated:
+        return None, None
+    token = _token("serve", args)
+    if token is not None:
+        return token, None
+    token = new_token()
+    return token, _write_token_file(token)
+
+
+class _EngineEvents:
+    """Prints the supervisor's engine events; notices when every engine was given up."""
+
+    def __init__(self, dp: int) -> None:
+        self.dp = dp
+        self.gave_up: set[int] = set()
+        self.all_gave_up = threading.Event()
+
+    def __call__(self, kind: str, rank: int, details: dict) -> None:
+        if kind == "exited":
+            print(f"engine {rank} exited (code {details.get('exitcode')})", flush=True)
+        elif kind == "restarted":
+            print(f"engine {rank} restarted pid {details['pid']} "
+                  f"(restart {details['restarts']})", flush=True)  # fmt: skip
+        elif kind == "gave_up":
+            print(f"engine {rank} given up after {details.get('restarts', 0)} restart(s)",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            self.gave_up.add(rank)
+            if len(self.gave_up) >= self.dp:
+                self.all_gave_up.set()
 
 
 def serve(args: argparse.Namespace) -> int:
     from rollout.runtime import EngineCluster
 
     _check_serve(args)
+    token, token_file = _serve_token(args)
+    events = _EngineEvents(args.dp)
 
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGINT, _raise_interrupt)
@@ -100,14 +195,20 @@ def serve(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         coordinator={"host": args.host, "port": args.port, "policy": args.policy,
                      "alpha": args.alpha, "block_size": args.block_size,
-                     "schedule_output_path": args.schedule_log},
-        auth_token=args.auth_token,
+                     "schedule_output_path": args.schedule_log,
+                     "allow_unauthenticated": args.allow_unauthenticated},
+        auth_token=token,
         weight_sync=False,
         ready_timeout_s=args.ready_timeout,
+        restart={"max_restarts": args.max_restarts, "backoff_s": args.restart_backoff,
+                 "backoff_max_s": max(30.0, args.restart_backoff)},
+        on_event=events,
     )  # fmt: skip
     try:
         address = cluster.start_coordinator()
         print(f"coordinator {address} pid {cluster.coordinator_process.pid}", flush=True)
+        if token_file is not None:
+            print(f"auth token file {token_file}", flush=True)
         for rank, proc in enumerate(cluster.start_engines()):
             print(f"engine {rank} pid {proc.pid}", flush=True)
         try:
@@ -115,9 +216,12 @@ def serve(args: argparse.Namespace) -> int:
         except (RuntimeError, TimeoutError, ConnectionError, PermissionError) as e:
             raise SystemExit(f"rollout serve: {e}") from None
         print(f"ready: {args.dp} engine(s) at {address}", flush=True)
-        while cluster.coordinator_process.is_alive():
+        while cluster.coordinator_process.is_alive() and not events.all_gave_up.is_set():
             cluster.coordinator_process.join(1.0)
-        print("rollout serve: coordinator exited", file=sys.stderr, flush=True)
+        if events.all_gave_up.is_set():
+            print("rollout serve: every engine was given up", file=sys.stderr, flush=True)
+        else:
+            print("rollout serve: coordinator exited", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
         return 0
@@ -125,6 +229,9 @@ def serve(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         cluster.close()
+        if token_file is not None:
+            token_file.unlink(missing_ok=True)
+            token_file.parent.rmdir()
         print("rollout serve: stopped", flush=True)
 
 

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -49,7 +50,7 @@ def test_serve_prints_pids_serves_and_leaves_nothing_behind(sig):
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    lines, pids, address = [], {}, None
+    lines, pids, address, token_file = [], {}, None, None
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
@@ -59,14 +60,19 @@ def test_serve_prints_pids_serves_and_leaves_nothing_behind(sig):
             lines.append(line)
             if m := re.match(r"coordinator (tcp://\S+) pid (\d+)", line):
                 address, pids["coord"] = m.group(1), int(m.group(2))
+            elif m := re.match(r"auth token file (\S+)", line):
+                token_file = m.group(1)
             elif m := re.match(r"engine (\d+) pid (\d+)", line):
                 pids[int(m.group(1))] = int(m.group(2))
             elif line.startswith("ready"):
                 break
         assert address and set(pids) == {"coord", 0, 1}, "".join(lines)
+        assert os.stat(token_file).st_mode & 0o777 == 0o600  # only this user can read it
+        token = Path(token_file).read_text().strip()
+        assert token not in "".join(lines)  # never printed
 
         async def one() -> list[int]:
-            client = await InferenceClient(address).start()
+            client = await InferenceClient(address, auth_token=token).start()
             rec = await client.add_request([1, 2, 3], SamplingParams(temperature=0.0,
                                                                      num_tokens_to_generate=4))  # fmt: skip
             client.stop()
@@ -75,6 +81,7 @@ def test_serve_prints_pids_serves_and_leaves_nothing_behind(sig):
         assert len(asyncio.run(one())) == 4
         proc.send_signal(sig)
         assert proc.wait(30) == 0
+        assert not os.path.exists(token_file)  # a per-launch secret goes with the launch
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -97,18 +104,23 @@ def _read_until(proc: subprocess.Popen, pattern: str, timeout: float = 90) -> re
     raise AssertionError(f"no line matching {pattern!r} in:\n{''.join(seen)}")
 
 
-def test_engine_subcommand_joins_a_running_coordinator():
+def test_engine_subcommand_joins_a_running_coordinator(tmp_path):
+    """The secret reaches serve through a file and the engine through the environment."""
+    secret = tmp_path / "token"
+    secret.write_text("s3\n")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "rollout.cli"]
-    serve = subprocess.Popen([*cmd, "serve", "--model", "tiny", "--dp", "1", "--auth-token", "s3"],
+    serve = subprocess.Popen([*cmd, "serve", "--model", "tiny", "--dp", "1",
+                              "--auth-token-file", str(secret)],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
     extra = None
     try:
         address = _read_until(serve, r"coordinator (tcp://\S+) pid")[1]
         _read_until(serve, r"^ready")
         extra = subprocess.Popen([*cmd, "engine", "--coordinator", address, "--rank", "1",
-                                  "--model", "tiny", "--auth-token", "s3"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+                                  "--model", "tiny"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True,
+                                 env={**env, "ROLLOUT_AUTH_TOKEN": "s3"})  # fmt: skip
         _read_until(extra, r"engine 1 pid \d+ -> tcp://")
 
         async def scenario() -> int:
@@ -134,3 +146,48 @@ def test_engine_subcommand_joins_a_running_coordinator():
         for p in (serve, extra):
             if p is not None and p.poll() is None:
                 p.kill()
+
+
+def test_serve_restarts_a_killed_engine_and_gives_up_at_the_limit():
+    """SIGKILL engine 1: `rollout serve` restarts it and it serves again. With --max-restarts 1,
+    the second kill leaves it down: the service goes on with engine 0 and says so."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollout.cli", "serve", "--model", "tiny", "--dp", "2",
+         "--policy", "round_robin", "--max-restarts", "1", "--restart-backoff", "0.1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    try:
+        address = _read_until(proc, r"coordinator (tcp://\S+) pid")[1]
+        token = Path(_read_until(proc, r"auth token file (\S+)")[1]).read_text().strip()
+        engine1 = int(_read_until(proc, r"engine 1 pid (\d+)")[1])
+        _read_until(proc, r"^ready")
+        os.kill(engine1, signal.SIGKILL)
+        _read_until(proc, r"engine 1 exited \(code -9\)")
+        restarted = int(_read_until(proc, r"engine 1 restarted pid (\d+) \(restart 1\)")[1])
+        assert restarted != engine1
+        assert asyncio.run(_serve(address, token, engines=2)) == 24  # round robin: both serve
+        os.kill(restarted, signal.SIGKILL)
+        _read_until(proc, r"engine 1 given up after 1 restart")
+        assert asyncio.run(_serve(address, token, engines=1)) == 24
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+async def _serve(address: str, token: str, engines: int) -> int:
+    """Wait until exactly `engines` engines are registered, then generate 8 x 3 tokens."""
+    client = await InferenceClient(address, auth_token=token).start()
+    try:
+        deadline = time.monotonic() + 60
+        while len((await client.stats())["engines"]) != engines:
+            assert time.monotonic() < deadline, f"never {engines} registered engine(s)"
+            await asyncio.sleep(0.05)  # polling the coordinator's own view, bounded
+        sp = SamplingParams(temperature=0.0, num_tokens_to_generate=3)
+        recs = await asyncio.gather(*[client.add_request([i + 1] * 5, sp) for i in range(8)])
+        return sum(len(r.merge().generated_tokens) for r in recs)
+    finally:
+        client.stop()
