@@ -9,6 +9,7 @@ engine continues exactly as an uninterrupted one would.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +48,9 @@ class FakeConfig:
     max_requests: int = 64
     streaming_interval: int = 0
     step_delay: float = 0.0  # simulated forward time per step
+    # A step holding a request whose context contains this token kills the process (a query of
+    # death the engine cannot survive). Only for engines in spawned processes.
+    crash_on_token: int | None = None
 
 
 @dataclass
@@ -133,6 +137,9 @@ class FakeEngine:
             time.sleep(self.config.step_delay)  # stands in for the forward pass
         self.steps += 1
         interval = self.config.streaming_interval
+        poison = self.config.crash_on_token
+        if poison is not None and any(poison in c for _, c, _ in self._active.values()):
+            os._exit(3)
         for rid in list(self._active)[: self.config.max_requests]:
             record, context, streamed = self._active[rid]
             req = record.requests[-1]

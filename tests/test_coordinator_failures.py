@@ -215,3 +215,32 @@ async def test_control_storm_with_two_submitting_clients():
             c.stop()
     finally:
         h.close()
+
+
+async def test_a_request_that_kills_engines_is_failed_after_max_engine_crashes():
+    """A query of death the engines cannot survive takes down max_engine_crashes (2) of the
+    three engines, then fails back to its client; the third engine keeps serving."""
+    h = Harness(heartbeat_s=0.1, engine_timeout_s=0.6, engine_wait_s=0.5)
+    fake = {"crash_on_token": 666, "step_delay": 0.002}
+    worker = {"auth_token": h.auth_token, "coordinator_timeout_s": 10.0}
+    procs = [EngineWorker.spawn(h.address, r, make_fake_engine, fake, worker) for r in range(3)]
+    try:
+        h.wait_engines(3, timeout=60)
+        client = await h.client()
+        sp = SamplingParams(num_tokens_to_generate=8)
+        with pytest.raises(RequestFailed, match="request crashed 2 engines"):
+            await asyncio.wait_for(client.add_request([1, 666, 2], sp), 30)
+        await wait_until(lambda: len(h.coord.engines) == 1, what="the two crashed engines gone")
+        assert sorted(p.exitcode for p in procs if not p.is_alive()) == [3, 3]
+        assert sum(p.is_alive() for p in procs) == 1
+        rec = await asyncio.wait_for(client.add_request([4, 5], sp), 10)
+        assert rec.merge().generated_tokens == expected_tokens([4, 5], 8)
+        c = h.coord.counters
+        assert c["failed_crashed_engines"] == 1 and c["redispatched"] == 1
+        client.stop()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+        h.close()

@@ -21,7 +21,7 @@ async def test_short_prompt_groups_stay_together_through_the_coordinator(prompt_
     try:
         workers = [h.add_engine(r, block_size=16) for r in range(4)]
         h.wait_engines(4)
-        client = await InferenceClient(h.address).start()
+        client = await InferenceClient(h.address, auth_token=h.auth_token).start()
         sp = SamplingParams(num_tokens_to_generate=4)
         groups = [[g * 5 + i + 1 for i in range(5)] for g in range(16)]
         if prompt_kind == "text":

@@ -1,0 +1,45 @@
+"""The weight-sync rendezvous: a torch TCPStore that listens on one chosen interface only.
+
+torch's TCPStore server listens on every interface whatever host it is given, and anyone who
+reaches its port can read and write every key: it has no authentication, so no shared secret
+can guard it. The store here is therefore bound explicitly, to loopback by default. Binding
+another interface (engines on other hosts) is only for a trusted network, such as a private
+cluster network or one closed by a firewall to everything but the engine hosts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch.distributed as dist
+
+LOOPBACK = "127.0.0.1"
+
+
+def open_store(host: str = LOOPBACK, port: int = 0, timeout_s: float = 300.0) -> dist.TCPStore:
+    """A master TCPStore listening on `host` alone (port 0: a free one, see `store.port`)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(512)
+        bound_port = listener.getsockname()[1]
+    except BaseException:
+        listener.close()
+        raise
+    fd = listener.detach()  # the store owns the listening socket from here on
+    try:
+        return dist.TCPStore(
+            host,
+            bound_port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            master_listen_fd=fd,
+        )
+    except BaseException:
+        os.close(fd)
+        raise
