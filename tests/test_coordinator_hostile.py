@@ -159,6 +159,11 @@ async def test_failed_connects_are_rate_limited_per_peer_and_overall():
         guesser.send(encode(Headers.CONNECT, h.auth_token))
         await wait_until(lambda: c["banned_peer_frames"] == 298, what="banned frame dropped")
         assert not _drain([guesser], quiet_ms=100)
+        # the guessing flood did not use up the notices that tell a forgotten peer to rejoin
+        forgotten = _dealer(ctx, h.address)
+        crowd.append(forgotten)
+        forgotten.send(encode(Headers.HEARTBEAT, {}))
+        assert [f[2] for _, f in _drain([forgotten])] == ["unknown peer: send CONNECT first"]
         # ...while a fresh peer with the secret is admitted at once
         client = await h.client()
         assert client.client_id is not None

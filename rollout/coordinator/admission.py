@@ -3,8 +3,10 @@
 Such a peer may only send the small CONNECT / ENGINE_REGISTER handshake, so anything larger is
 dropped before it is decoded (a flood of big garbage frames costs a length check each). Failed
 handshakes are rate-limited: a peer identity that failed `max_failures_per_peer` times is
-ignored from then on, and refusals (answers to failed or unknown peers) leave at most at
-`refusals_per_s` overall, so guessing tokens or provoking replies gains an attacker nothing.
+ignored from then on, and refusals leave at most at `refusals_per_s` overall, so guessing
+tokens or provoking replies gains an attacker nothing. Failed handshakes and "unknown peer"
+notices (which tell a forgotten engine or client to join again) have a budget each, so a
+guessing flood does not silence the notices.
 """
 
 from __future__ import annotations
@@ -47,7 +49,11 @@ class Admission:
     ):
         self.token = token
         self.max_failures_per_peer = max_failures_per_peer
-        self.refusals = TokenBucket(refusals_per_s, burst=max(1.0, 2.0 * refusals_per_s))
+        burst = max(1.0, 2.0 * refusals_per_s)
+        self.refusals = {
+            "auth": TokenBucket(refusals_per_s, burst),
+            "unknown": TokenBucket(refusals_per_s, burst),
+        }
         self.max_tracked_peers = max_tracked_peers
         self.failures: OrderedDict[bytes, int] = OrderedDict()  # identity -> failed handshakes
 
@@ -69,6 +75,7 @@ class Admission:
             self.failures.popitem(last=False)  # forget the oldest offender
         return False
 
-    def may_refuse(self) -> bool:
-        """Whether a refusal may be sent now (the rest are dropped silently, and counted)."""
-        return self.refusals.take()
+    def may_refuse(self, kind: str) -> bool:
+        """Whether a refusal of this kind ("auth" | "unknown") may be sent now; the rest are
+        dropped silently (and counted by the caller)."""
+        return self.refusals[kind].take()

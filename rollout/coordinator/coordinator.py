@@ -259,7 +259,7 @@ class DataParallelInferenceCoordinator(RequestHandlers):
                 return
             else:
                 self.counters["unknown_peer"] += 1
-                self._refuse(identity, header, "unknown peer: send CONNECT first")
+                self._refuse(identity, header, "unknown", "unknown peer: send CONNECT first")
                 return
         if handler is None:
             self.counters["unexpected"] += 1
@@ -295,9 +295,9 @@ class DataParallelInferenceCoordinator(RequestHandlers):
 
     # ---- handshakes ---------------------------------------------------------------------
 
-    def _refuse(self, identity: bytes, header: Headers, message: str) -> None:
+    def _refuse(self, identity: bytes, header: Headers, kind: str, message: str) -> None:
         """ERROR to a peer that is not (or no longer) admitted, within the refusal rate limit."""
-        if self.admission.may_refuse():
+        if self.admission.may_refuse(kind):
             self._error(identity, header, None, message)
         else:
             self.counters["refusals_unanswered"] += 1
@@ -306,7 +306,7 @@ class DataParallelInferenceCoordinator(RequestHandlers):
         if self.admission.check(identity, token):
             return True
         self.counters["auth_failures"] += 1
-        self._refuse(identity, header, "authentication failed: bad or missing auth token")
+        self._refuse(identity, header, "auth", "authentication failed: bad or missing auth token")
         return False
 
     def _on_connect(self, identity: bytes, fields: list) -> None:
