@@ -579,7 +579,13 @@ def _cluster_options(run: Any) -> dict[str, Any]:
         "deterministic": c.deterministic, "schedule_output_path": c.schedule_log,
         "block_size": run.engine.block_size,
     }  # fmt: skip
-    return {"coordinator": coordinator, "auth_token": c.token, "seed": run.recipe.seed}
+    from rollout.auth import resolve_token
+
+    restart = {"max_restarts": c.max_restarts, "window_s": c.restart_window_s,
+               "backoff_s": c.restart_backoff_s, "backoff_max_s": c.restart_backoff_max_s}  # fmt: skip
+    return {"coordinator": coordinator, "auth_token": resolve_token(c.token, c.token_file),
+            "seed": run.recipe.seed, "restart": restart,
+            "weights_snapshot": getattr(c.weights_snapshot, "value", c.weights_snapshot)}  # fmt: skip
 
 
 def _check_n(n: int) -> None:

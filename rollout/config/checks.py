@@ -147,7 +147,17 @@ def _check_coordinator(run: RunConfig, errors: list[str]) -> None:
         f"coordinator.prefix_table_size must be >= 1, got {c.prefix_table_size}",
     )
     _need(errors, c.token is None or len(c.token) > 0,
-          "coordinator.token must be a non-empty string or null (no authentication)")  # fmt: skip
+          "coordinator.token must be a non-empty string or null (token_file, the environment, "
+          "else one generated per launch)")  # fmt: skip
+    _need(errors, c.token is None or c.token_file is None,
+          "coordinator.token and coordinator.token_file are both set: give one")  # fmt: skip
+    _need(errors, c.max_restarts >= 0,
+          f"coordinator.max_restarts must be >= 0 (0 = never restart), got {c.max_restarts}")  # fmt: skip
+    _need(errors, c.restart_window_s > 0,
+          f"coordinator.restart_window_s must be > 0, got {c.restart_window_s}")  # fmt: skip
+    _need(errors, 0 <= c.restart_backoff_s <= c.restart_backoff_max_s,
+          f"need 0 <= coordinator.restart_backoff_s ({c.restart_backoff_s}) <= "
+          f"coordinator.restart_backoff_max_s ({c.restart_backoff_max_s})")  # fmt: skip
     if _need(
         errors, c.heartbeat_s > 0, f"coordinator.heartbeat_s must be > 0, got {c.heartbeat_s}"
     ):

@@ -34,6 +34,7 @@ LrSchedule = _enum("LrSchedule", "constant", "cosine")
 LossType = _enum("LossType", "grpo", "ppo_clip")
 LossAgg = _enum("LossAgg", "token_mean", "seq_mean")
 WandbMode = _enum("WandbMode", "offline", "online", "disabled")
+WeightsSnapshot = _enum("WeightsSnapshot", "memory", "disk")
 
 
 class ConfigError(ValueError):
@@ -78,11 +79,23 @@ class CoordinatorCfg:
     policy: RoutingPolicy = RoutingPolicy.longest_prefix
     prefix_alpha: float = 0.5  # score = alpha * prefix match + (1 - alpha) * load
     prefix_table_size: int = 65536
-    token: str | None = None  # shared secret peers must present; None = no check
+    # Shared secret peers must present. None: token_file, else $ROLLOUT_AUTH_TOKEN(_FILE), else
+    # one generated per launch (engines started by the run get it; remote ones need a file).
+    token: str | None = None
+    token_file: str | None = None
     heartbeat_s: float = 1.0
     engine_timeout_s: float = 10.0  # no heartbeat for this long = dead engine, re-dispatch
     deterministic: bool = False
     schedule_log: str | None = None  # JSON schedule log path
+    # Supervision (dp > 1): a dead engine restarts after restart_backoff_s, doubling per recent
+    # crash up to restart_backoff_max_s; after max_restarts within restart_window_s it stays
+    # down (0 = never restart). Restarted engines load the last weights pushed, kept in memory
+    # (one CPU copy of the model) or on disk (one file write per update).
+    max_restarts: int = 5
+    restart_window_s: float = 600.0
+    restart_backoff_s: float = 1.0
+    restart_backoff_max_s: float = 30.0
+    weights_snapshot: WeightsSnapshot = WeightsSnapshot.memory
 
 
 @dataclass
