@@ -175,7 +175,8 @@ class InferenceClient:
             self._close_socket()
             raise ConnectionError(
                 f"no CONNECT_ACK from coordinator at {self.address} "
-                f"within {self.handshake_timeout}s"
+                f"within {self.handshake_timeout}s (is it running? refusals of bad auth tokens "
+                f"are rate-limited, so a wrong token can also go unanswered)"
             ) from None
         if header is Headers.ERROR:
             self._close_socket()
@@ -342,9 +343,9 @@ class InferenceClient:
 
     def _control(self, header: Headers, *args: Any) -> asyncio.Future:
         cid = next(self._ids)
-        fut = asyncio.get_running_loop().create_future()
+        self._send(encode(header, cid, *args))  # a send that raises leaves no future behind
+        fut = self._loop.create_future()
         self._controls[cid] = fut
-        self._send(encode(header, cid, *args))
         return fut
 
     def pause_engines(self) -> asyncio.Future:
@@ -368,9 +369,9 @@ class InferenceClient:
     def stats(self) -> asyncio.Future:
         """The coordinator's counters, state and per-engine load."""
         sid = next(self._ids)
-        fut = asyncio.get_running_loop().create_future()
-        self._stats[sid] = fut
         self._send(encode(Headers.STATS, sid))
+        fut = self._loop.create_future()
+        self._stats[sid] = fut
         return fut
 
     def shutdown_coordinator(self) -> None:

@@ -216,3 +216,14 @@ async def test_a_queued_row_that_cannot_be_encoded_fails_only_its_own_future(cli
         expected_tokens([i + 1, 7], 2) for i in (0, 1, 3, 4)
     ]
     assert client.pending() == 0
+
+
+async def test_a_control_that_cannot_be_sent_leaves_nothing_pending(client):
+    with pytest.raises(ProtocolError, match="SUSPEND: field 'mode' must be str"):
+        client.suspend_engines(mode=3)
+    client.stop()
+    with pytest.raises(ClientStopped):
+        client.pause_engines()
+    with pytest.raises(ClientStopped):
+        client.stats()
+    assert not client._controls and not client._stats
