@@ -35,6 +35,7 @@ from rollout.runtime.processes import _coordinator_spawn, stop_processes
 from rollout.runtime.snapshot import WeightSnapshot
 from rollout.runtime.supervisor import EngineSupervisor, Event, RestartPolicy
 from rollout.weights import WeightSender, WeightSyncError, as_state_dict
+from rollout.weights.rendezvous import LOOPBACK, open_store
 
 STORE_KEY = "rollout/weight_sync/generation"  # "<number>:<backend>:<member ranks, comma separated>"
 
@@ -381,24 +382,16 @@ class _TrainerSync:
     bumps the generation and the next update builds a fresh group without new ports."""
 
     def __init__(self, bucket_bytes: int, timeout_s: float) -> None:
-        import torch.distributed as dist
-
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
-        self.store = dist.TCPStore(
-            "127.0.0.1",
-            0,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        self.store = open_store(LOOPBACK, 0, timeout_s)  # loopback only: the store has no auth
         self.generation = 0
         self.members: list[int] = []
         self.sender: WeightSender | None = None
 
     def worker_info(self, rank: int) -> dict[str, Any]:
-        return {"host": "127.0.0.1", "port": self.store.port, "rank": rank,
+        return {"host": LOOPBACK, "port": self.store.port, "rank": rank,
                 "timeout_s": self.timeout_s}  # fmt: skip
 
     def prepare(self, members: list[int]) -> None:
