@@ -373,6 +373,20 @@ class Proc:
             self.p.wait(10)
 
 
+def peer_token(serve: Proc, argv: list[str], env: dict[str, str]) -> str | None:
+    """The secret a client must present to this `rollout serve`: the file it was given
+    (--auth-token-file), the environment's, or the one it generated and printed."""
+    for flag in ("--auth-token-file", "--auth-token"):
+        if flag in argv:
+            return Path(argv[argv.index(flag) + 1]).read_text().strip()
+    if env.get("ROLLOUT_AUTH_TOKEN"):
+        return env["ROLLOUT_AUTH_TOKEN"]
+    if env.get("ROLLOUT_AUTH_TOKEN_FILE"):
+        return Path(env["ROLLOUT_AUTH_TOKEN_FILE"]).read_text().strip()
+    printed = [m for line in serve.seen if (m := re.match(r"auth token file (\S+)", line))]
+    return Path(printed[0][1]).read_text().strip() if printed else None
+
+
 async def serve_requests(address: str, token: str | None, engines: int) -> int:
     """Wait for `engines` registered engines, then generate 8 x 3 tokens; returns tokens made."""
     client = await InferenceClient(address, auth_token=token).start()
@@ -387,15 +401,19 @@ async def serve_requests(address: str, token: str | None, engines: int) -> int:
 
 
 @pytest.mark.timeout(180)
-def test_serve_with_remote_engine():
+def test_serve_with_remote_engine(tmp_path):
     """The "several machines" row on one machine: serve, then an engine joins from another
     process with the shared secret; requests are served by both; SIGTERM stops everything."""
-    token = "readme-secret"
-    subs = {"S": token, "R": "1", "DIR": "tiny"}
+    secret = tmp_path / "secret"
+    secret.write_text("readme-secret\n")
+    secret.chmod(0o600)
+    # The row's secret placeholder names the token file (or the value of an environment variable).
+    subs = {"S": str(secret), "FILE": str(secret), "R": "1", "DIR": "tiny"}
     serve_argv, env = argv_of(readme_command("test_serve_with_remote_engine", "serve"), **subs)
     with Proc(serve_argv, env) as serve:
         address = serve.read_until(r"coordinator (tcp://\S+) pid")[1]
         serve.read_until(r"^ready")
+        token = peer_token(serve, serve_argv, env)
         host_port = address.removeprefix("tcp://").replace("0.0.0.0", "127.0.0.1")
         engine_argv, env = argv_of(readme_command("test_serve_with_remote_engine", "engine"),
                                    **{"HOST:PORT": host_port, **subs})  # fmt: skip
@@ -423,7 +441,8 @@ def test_serve_synopsis():
         address = serve.read_until(r"coordinator (tcp://\S+) pid")[1]
         assert address.endswith(f":{port}")
         serve.read_until(r"^ready: 2 engine")
-        assert asyncio.run(serve_requests(address, None, engines=2)) == 24
+        token = peer_token(serve, argv, env)
+        assert asyncio.run(serve_requests(address, token, engines=2)) == 24
         assert serve.stop() == 0
 
 
