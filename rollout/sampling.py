@@ -11,47 +11,73 @@ from typing import Any
 
 _SEED_LIMIT = 2**63
 _FLOAT_MAX = sys.float_info.max
+INT_LIMIT = 2**31  # top_k, lengths and token ids stay int32: far beyond any vocabulary or context
+MAX_TOP_N_LOGPROBS = 1024  # each generated token carries a dict this big
+MAX_STOP_WORDS = 64  # every stop word is checked after every generated token
+MAX_STOP_WORD_CHARS = 512
+MAX_STOP_TOKEN_IDS = 4096
+GREEDY_BELOW = 1e-5  # temperature or top_p below this samples greedily (exact where it matters:
+# logits / 1e-46 overflow to inf, and top_p=1e-46 rounds to 0 in float32)
 
 
 def _int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
     """An integral (not bool) value in [lo, hi); numpy ints are normalised to int."""
     if type(value) is not int:  # exact ints skip the (slow) abstract-class checks
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise ValueError(f"{name} must be an int, got {value!r}")
+            raise ValueError(f"{name} must be an int, got {_short(value)}")
         value = int(value)
     if value < lo or (hi is not None and value >= hi):
         bound = f">= {lo}" if hi is None else f"in [{lo}, {hi})"
-        raise ValueError(f"{name} must be {bound}, got {value!r}")
+        raise ValueError(f"{name} must be {bound}, got {_short(value)}")
     return value
 
 
 def _float(name: str, value: Any) -> float:
     if type(value) is not float:  # exact floats skip the (slow) abstract-class checks
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise ValueError(f"{name} must be a number, got {value!r}")
-        value = float(value)
+            raise ValueError(f"{name} must be a number, got {_short(value)}")
+        try:
+            value = float(value)
+        except (OverflowError, ValueError):
+            raise ValueError(f"{name} must be finite, got {_short(value)}") from None
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value!r}")
     return value
 
 
+def _short(value: Any, limit: int = 200) -> str:
+    """repr of `value`, cut to `limit` characters (error messages echo user input)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past sys.get_int_max_str_digits()
+        return f"a {type(value).__name__} too large to print"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
+
+
 def _bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool, got {value!r}")
+        raise ValueError(f"{name} must be a bool, got {_short(value)}")
     return value
 
 
-def _seq(name: str, value: Any) -> list:
-    if type(value) is list:
-        return list(value)
-    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-        raise ValueError(f"{name} must be a list, got {value!r}")
+def _seq(name: str, value: Any, max_len: int) -> list:
+    if type(value) is not list and (
+        isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple))
+    ):
+        raise ValueError(f"{name} must be a list, got {_short(value)}")
+    if len(value) > max_len:
+        raise ValueError(f"{name} holds at most {max_len} entries, got {len(value)}")
     return list(value)
 
 
 @dataclass
 class SamplingParams:
-    """How to sample one request. temperature=0 or top_k=1 means greedy; top_k=0 turns top-k off."""
+    """How to sample one request. temperature=0 or top_k=1 means greedy; top_k=0 turns top-k off.
+
+    temperature or top_p below GREEDY_BELOW also mean greedy (their limit, computed without
+    overflow). Integers are bounded by INT_LIMIT and the list/top-n limits above: anything
+    the engine could not honour raises ValueError here, naming the field and the value.
+    """
 
     temperature: float = 1.0
     top_k: int = 0
@@ -69,25 +95,30 @@ class SamplingParams:
         self.temperature = _float("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        self.top_k = _int("top_k", self.top_k, 0)
+        self.top_k = _int("top_k", self.top_k, 0, INT_LIMIT)
         self.top_p = _float("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        self.num_tokens_to_generate = _int("num_tokens_to_generate", self.num_tokens_to_generate, 1)
-        words = _seq("stop_words", self.stop_words)
+        self.num_tokens_to_generate = _int(
+            "num_tokens_to_generate", self.num_tokens_to_generate, 1, INT_LIMIT
+        )
+        words = _seq("stop_words", self.stop_words, MAX_STOP_WORDS)
         for w in words:
-            if not isinstance(w, str) or not w:
-                raise ValueError(f"stop_words must hold non-empty str, got {w!r} in {words!r}")
+            if not isinstance(w, str) or not 0 < len(w) <= MAX_STOP_WORD_CHARS:
+                raise ValueError(
+                    f"stop_words must hold str of 1 to {MAX_STOP_WORD_CHARS} characters, "
+                    f"got {_short(w)} in {_short(words)}"
+                )
         self.stop_words = words
-        ids = _seq("stop_token_ids", self.stop_token_ids)
-        if not all(type(t) is int and t >= 0 for t in ids):
+        ids = _seq("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS)
+        if not all(type(t) is int and 0 <= t < INT_LIMIT for t in ids):
             try:
-                ids = [_int("stop_token_ids", t, 0) for t in ids]
+                ids = [_int("stop_token_ids", t, 0, INT_LIMIT) for t in ids]
             except ValueError as e:
-                raise ValueError(f"{e} in {ids!r}") from None
+                raise ValueError(f"{e} in {_short(ids)}") from None
         self.stop_token_ids = ids
         self.return_log_probs = _bool("return_log_probs", self.return_log_probs)
-        self.top_n_logprobs = _int("top_n_logprobs", self.top_n_logprobs, 0)
+        self.top_n_logprobs = _int("top_n_logprobs", self.top_n_logprobs, 0, MAX_TOP_N_LOGPROBS + 1)
         self.return_prompt_log_probs = _bool(
             "return_prompt_log_probs", self.return_prompt_log_probs
         )
@@ -97,7 +128,13 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_p < GREEDY_BELOW or self.top_k == 1
+
+    def check(self) -> None:
+        """Raise ValueError (naming the field) unless every field is still valid: the engine
+        calls it on admission, so params changed after construction cannot reach a step."""
+        if not _already_valid(self.__dict__):
+            SamplingParams(**{f: getattr(self, f) for f in _FIELD_ORDER})
 
     def replace(self, **changes: Any) -> SamplingParams:
         """A validated copy with `changes` applied (unknown names raise ValueError)."""
@@ -144,17 +181,19 @@ def _already_valid(d: dict[str, Any]) -> bool:
         and type(p) is float
         and 0.0 < p <= 1.0
         and type(k) is int
-        and k >= 0
+        and 0 <= k < INT_LIMIT
         and type(n) is int
-        and n >= 1
+        and 1 <= n < INT_LIMIT
         and type(top_n) is int
-        and top_n >= 0
+        and 0 <= top_n <= MAX_TOP_N_LOGPROBS
         and (seed is None or (type(seed) is int and 0 <= seed < _SEED_LIMIT))
         and type(d["return_log_probs"]) is bool
         and type(d["return_prompt_log_probs"]) is bool
         and type(d["ignore_eos"]) is bool
         and type(words) is list
-        and (not words or all(type(w) is str and w for w in words))
+        and len(words) <= MAX_STOP_WORDS
+        and (not words or all(type(w) is str and 0 < len(w) <= MAX_STOP_WORD_CHARS for w in words))
         and type(ids) is list
-        and (not ids or all(type(i) is int and i >= 0 for i in ids))
+        and len(ids) <= MAX_STOP_TOKEN_IDS
+        and (not ids or all(type(i) is int and 0 <= i < INT_LIMIT for i in ids))
     )

@@ -4,17 +4,37 @@ tokenizer for tests and recipes (no files, no downloads).
 Interface: `encode(text, add_bos=False) -> list[int]`, `decode(ids, skip_special_tokens=True)`,
 `tokenize`/`detokenize` aliases, `bos_id` (None when the tokenizer has none: `add_bos` then adds
 nothing), `eos_id`, `pad_id`, `eos_ids` (every id that ends a generation), `vocab_size`.
+
+`decode` never raises for an int id: an id the tokenizer does not know (a model whose embedding
+is padded past the tokenizer's vocabulary, as Qwen2.5's is, can emit one) becomes U+FFFD.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 MARKER_FILE = "rollout_tokenizer.json"  # written by ByteTokenizer.save
+REPLACEMENT = "\ufffd"  # the text of an id the tokenizer does not know
+
+
+def decode_replacing_unknown(
+    decode: Callable[[list[int]], str], ids: Iterable[int], vocab_size: int
+) -> str:
+    """`decode` the runs of ids in [0, vocab_size), each other id becoming one U+FFFD."""
+    parts: list[str] = []
+    run: list[int] = []
+    for i in ids:
+        if 0 <= i < vocab_size:
+            run.append(i)
+        else:
+            parts.append(decode(run) if run else "")
+            run = []
+    parts.append(decode(run) if run else "")
+    return REPLACEMENT.join(parts)
 
 
 class _Aliases:
@@ -31,7 +51,8 @@ class _Aliases:
 class ByteTokenizer(_Aliases):
     """UTF-8 bytes are ids 0..255; then bos=256, eos=257, pad=258; vocab_size = 259.
 
-    Invalid UTF-8 in `decode` (a model can emit any byte sequence) becomes U+FFFD.
+    Invalid UTF-8 in `decode` (a model can emit any byte sequence) and ids past the vocabulary
+    become U+FFFD.
     """
 
     bos_id = 256
@@ -58,13 +79,10 @@ class ByteTokenizer(_Aliases):
             if 0 <= i < 256:
                 buf.append(i)
                 continue
-            if i not in self._SPECIAL_TEXT:
-                raise ValueError(
-                    f"token id {i} is outside the byte vocabulary [0, {self.vocab_size})"
-                )
-            if not skip_special_tokens:
+            special = i in self._SPECIAL_TEXT
+            if not special or not skip_special_tokens:
                 out.append(buf.decode("utf-8", errors="replace"))
-                out.append(self._SPECIAL_TEXT[i])
+                out.append(self._SPECIAL_TEXT[i] if special else REPLACEMENT)
                 buf.clear()
         out.append(buf.decode("utf-8", errors="replace"))
         return "".join(out)
@@ -117,12 +135,14 @@ class HFTokenizer(_Aliases):
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
-            )
-        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        n = self.vocab_size
+        if all(0 <= i < n for i in ids):
+            return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+        def known(run: list[int]) -> str:
+            return self._tok.decode(run, skip_special_tokens=skip_special_tokens)
+
+        return decode_replacing_unknown(known, ids, n)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

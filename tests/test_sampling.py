@@ -142,7 +142,7 @@ sampling_params = st.builds(
     top_p=st.floats(0, 1, exclude_min=True),
     num_tokens_to_generate=st.integers(1, 10_000),
     stop_words=st.lists(st.text(min_size=1, max_size=5), max_size=3),
-    stop_token_ids=st.lists(st.integers(0, 2**31), max_size=3),
+    stop_token_ids=st.lists(st.integers(0, 2**31 - 1), max_size=3),
     return_log_probs=st.booleans(),
     top_n_logprobs=st.integers(0, 20),
     return_prompt_log_probs=st.booleans(),

@@ -28,8 +28,6 @@ def test_byte_specials_and_errors(tmp_path):
     assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.vocab_size) == (256, 257, 258, 259)
     assert tok.decode([104, 105, 257], skip_special_tokens=False) == "hi<eos>"
     assert tok.decode([0xE4, 0xBD]) == "\ufffd"  # truncated UTF-8 from a model is not fatal
-    with pytest.raises(ValueError, match="259"):
-        tok.decode([259])
     with pytest.raises(TypeError):
         tok.encode(b"bytes")  # type: ignore[arg-type]
     tok.save(tmp_path)
@@ -73,8 +71,12 @@ def test_hf_tokenizer_loads_and_round_trips(hf_dir):
     ids = [*tok.encode("hi"), tok.eos_id]
     assert tok.decode(ids) == "hi"
     assert tok.decode(ids, skip_special_tokens=False) == "hi</s>"
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        tok.decode([10**6])
+    # ids past the vocabulary (a padded embedding emits them) are U+FFFD, never an error
+    assert (
+        tok.decode([*tok.encode("hi"), 10**6, tok.vocab_size, *tok.encode("yo")])
+        == "hi\ufffd\ufffdyo"
+    )
+    assert tok.decode([-1]) == "\ufffd"
 
 
 def test_hf_tokenizer_ids_from_model_config(hf_dir):
@@ -103,3 +105,13 @@ def test_hf_tokenizer_without_bos_adds_none(hf_dir):
             tok.encode(text, add_bos=True) == tok.encode(text) == tok.tokenize(text, add_bos=True)
         )
     assert tok.encode_batch(CORPUS, add_bos=True) == [tok.encode(t) for t in CORPUS]
+
+
+def test_byte_decode_of_ids_past_the_vocabulary_is_replacement_text():
+    """A model whose vocabulary is larger than the tokenizer's can emit any id below its own
+    vocab_size: decode must return text (U+FFFD per unknown id), never raise."""
+    tok = ByteTokenizer()
+    assert tok.decode([104, 259, 105]) == "h\ufffdi"
+    assert tok.decode([104, 300, 301, 105, 257]) == "h\ufffd\ufffdi"
+    assert tok.decode([0xE4, 999, 0xBD]) == "\ufffd\ufffd\ufffd"  # splits the broken UTF-8 too
+    assert tok.detokenize([2**40, -5]) == "\ufffd\ufffd"

@@ -9,14 +9,22 @@ Lifecycle for RL: `suspend(mode)` frees the KV memory between training steps ("o
 it to host memory, "recompute" drops it and re-prefills every in-flight request on `resume()`),
 and `update_weights(state_dict, version)` swaps the weights in place under the configured KV
 policy, so unfinished requests carry over with exact staleness.
+
+Fault model: a fault in a step that one request explains (its scheduling, sampling row, stop
+check, detokenization, log-prob extraction) fails that request alone with a RequestFault in
+its record and frees its blocks; the rest of the step goes on. A fault no request explains
+(the forward, batch preparation) fails the requests of that step and the engine goes on,
+counted in `step_failures`; only MAX_STEP_FAILURES_IN_A_ROW failed steps in a row (a broken
+device) raise EngineBrokenError out of `step()`.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,18 +35,29 @@ from torch import nn
 from rollout.engine import sampler
 from rollout.engine.block_manager import NO_PARENT, BlockManager
 from rollout.engine.config import SUSPEND_MODES, InferenceConfig
-from rollout.engine.model_runner import ModelRunner, PreparedBatch, prepare_batch
+from rollout.engine.model_runner import ModelRunner, prepare_batch
 from rollout.engine.scheduler import ScheduledBatch, Scheduler
 from rollout.engine.sequence import Sequence, check_block_hashes
 from rollout.models.config import kv_bytes_per_block, kv_cache_shape
 from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord, Status
 from rollout.sampling import SamplingParams
+from rollout.tokenizers import decode_replacing_unknown
 
 Prompt = str | Seq[int] | torch.Tensor
+MAX_STEP_FAILURES_IN_A_ROW = 3  # then the device, not a request, is at fault
+log = logging.getLogger(__name__)
 
 
 class RequestError(ValueError):
     """A request that can never be served (too long, bad token ids, empty prompt)."""
+
+
+class RequestFault(RuntimeError):
+    """A fault inside a step that failed one request (the cause is in the message)."""
+
+
+class EngineBrokenError(RuntimeError):
+    """Steps keep failing whatever requests they hold: the process should be restarted."""
 
 
 @dataclass
@@ -89,14 +108,17 @@ class DynamicInferenceEngine:
         self.suspended: str | None = None  # the suspend mode, None while serving
 
         self.blocks = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.blocks, self._on_evict, self._on_admit)
+        self.scheduler = Scheduler(config, self.blocks, self._on_evict, self._on_admit,
+                                   self._on_fault)  # fmt: skip
         self._seqs: dict[int, Sequence] = {}
         self._done: list[DynamicInferenceRequestRecord] = []  # failed/aborted, out next step
         self._ids = itertools.count()
         self._seed_rng = int.from_bytes(os.urandom(8), "little")
         self._eos = _eos_ids(tokenizer, self.model_config)
         self.counters = {"steps": 0, "tokens_generated": 0, "requests_finished": 0,
-                         "requests_failed": 0, "weight_updates": 0, "forward_time_s": 0.0}  # fmt: skip
+                         "requests_failed": 0, "request_faults": 0, "step_failures": 0,
+                         "weight_updates": 0, "forward_time_s": 0.0}  # fmt: skip
+        self._failures_in_a_row = 0
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(
@@ -138,6 +160,7 @@ class DynamicInferenceEngine:
         req.add_event_add_engine()
         try:
             self._validate(record)
+            stop_words = self._stop_words(req.sampling_params)
         except RequestError as e:
             self._fail(record, e)
             return record
@@ -152,7 +175,7 @@ class DynamicInferenceEngine:
         if given:
             req.precomputed_block_hashes = list(given)
         seq = Sequence(record, seed, record.requests[0].prompt_length, self.config.block_size,
-                       self._stop_words(sp), self._eos, given)  # fmt: skip
+                       stop_words, self._eos, given)  # fmt: skip
         seq.streamed = seq.num_generated
         seq.log_probs = [x for r in record.requests for x in r.generated_log_probs]
         self._seqs[rid] = seq
@@ -204,7 +227,11 @@ class DynamicInferenceEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("a str prompt needs a tokenizer")
-            return torch.tensor(_tokenize(self.tokenizer, prompt, bos=True), dtype=torch.int64)
+            try:
+                ids = _tokenize(self.tokenizer, prompt, bos=True)
+            except Exception as e:  # e.g. a lone surrogate: this prompt fails, not the batch
+                raise RequestError(f"prompt cannot be tokenized: {type(e).__name__}: {e}") from e
+            return torch.tensor(ids, dtype=torch.int64)
         if isinstance(prompt, torch.Tensor):
             if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype == torch.bool:
                 raise RequestError(
@@ -221,6 +248,10 @@ class DynamicInferenceEngine:
 
     def _validate(self, record: DynamicInferenceRequestRecord) -> None:
         req = record.requests[-1]
+        try:
+            req.sampling_params.check()  # params changed after validation never reach a step
+        except Exception as e:
+            raise RequestError(f"invalid sampling_params: {e}") from e
         tokens = req.prompt_tokens
         if tokens is None or tokens.numel() == 0:
             raise RequestError("empty prompt: nothing to condition on")
@@ -256,8 +287,12 @@ class DynamicInferenceEngine:
         if not sp.stop_words:
             return []
         if self.tokenizer is None:
-            raise ValueError("stop_words need a tokenizer")
-        return [w for w in (_tokenize(self.tokenizer, s, bos=False) for s in sp.stop_words) if w]
+            raise RequestError("stop_words need a tokenizer")
+        try:
+            words = [_tokenize(self.tokenizer, s, bos=False) for s in sp.stop_words]
+        except Exception as e:
+            raise RequestError(f"stop_words cannot be tokenized: {type(e).__name__}: {e}") from e
+        return [w for w in words if w]
 
     def _next_seed(self) -> int:
         self._seed_rng = sampler.splitmix64(self._seed_rng)
@@ -265,13 +300,18 @@ class DynamicInferenceEngine:
 
     def abort(self, request_id: int) -> bool:
         """Stop a request now; its record (stop_reason "abort") comes out of the next step."""
-        seq = self._seqs.pop(request_id, None)
+        seq = self._seqs.get(request_id)
         if seq is None:
             return False
-        self.scheduler.remove(seq)
-        self._finish(seq, "abort")
-        self._done.append(seq.record)
+        self._complete(seq, "abort")
         return True
+
+    def _discard(self, request_id: int) -> None:
+        """Forget a request without a record (its caller is gone); its blocks are freed."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.remove(seq)
+        self._done = [r for r in self._done if r.request_id != request_id]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._seqs) or bool(self._done)
@@ -279,21 +319,36 @@ class DynamicInferenceEngine:
     # -- the step -----------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> StepOutput:
-        """Schedule, run one forward over the flattened batch, sample, and bookkeep."""
+        """Schedule, run one forward over the flattened batch, sample, and bookkeep; faults
+        fail requests, not the engine (see the module docstring)."""
         if self.suspended is not None:
             raise RuntimeError(f"engine is suspended ({self.suspended}); call resume() first")
         out = StepOutput(finished=self._done)
         self._done = []
-        batch = self.scheduler.schedule(self.weight_version)
+        batch: ScheduledBatch = []
+        try:
+            batch = self.scheduler.schedule(self.weight_version)
+            if batch:
+                self.counters["steps"] += 1
+                self._run(batch, out)
+            self._failures_in_a_row = 0
+        except Exception as e:
+            if self._step_failed(batch or [(s, 0) for s in self.scheduler.running], e):
+                self._done[:0] = out.finished  # nothing is lost: a later step() returns them
+                raise EngineBrokenError(
+                    f"{self._failures_in_a_row} engine steps in a row failed, the last with "
+                    f"{type(e).__name__}: {e}"
+                ) from e
+        out.finished.extend(self._done)
+        self._done = []
+        return out
+
+    def _run(self, batch: ScheduledBatch, out: StepOutput) -> None:
+        """One step's work. Per-request stages run under `_isolated`; a fault anywhere else
+        (batch preparation, the forward) propagates to `step` as a step failure."""
+        batch = [(s, n) for s, n in batch if self._isolated(s, "prefill setup", self._prepare, s)]
         if not batch:
-            return out
-        self.counters["steps"] += 1
-        for seq, _ in batch:
-            self._refresh_kv_staleness(seq, seq.num_computed)
-            if seq.wants_prompt_log_probs and seq.request.prompt_length <= 1:
-                seq.request.prompt_log_probs = []  # nothing to score
-                if seq.request.sampling_params.top_n_logprobs:
-                    seq.request.prompt_top_n_logprobs = []
+            return
         prep = prepare_batch(batch, self.config.block_size, self.device)
         t0 = time.perf_counter()
         logits = self.runner.logits(prep, self.kv_cache)
@@ -301,13 +356,53 @@ class DynamicInferenceEngine:
         self.blocks.stats.tokens_computed += prep.num_tokens
         for seq, n in batch:
             seq.num_computed += n
-        self._register_blocks(batch)  # before finished sequences release their blocks
-        self._prompt_log_probs(prep, logits)
+        if self.config.enable_prefix_caching:  # before finished sequences release their blocks
+            for seq, _ in batch:
+                self._isolated(seq, "prefix-cache registration", self._register_blocks, seq)
+        for item in prep.prompt_lp:
+            self._isolated(item[0], "prompt log-probs", self._prompt_log_probs, item, logits)
         if prep.samplers:
             self._sample(prep.samplers, self.runner.sampling_logits(prep, logits), out)
-        out.finished.extend(self._done)
-        self._done = []
-        return out
+
+    def _isolated(self, seq: Sequence, stage: str, fn: Callable[..., None], *args: Any) -> bool:
+        """Run one request's part of the step; a fault fails that request alone (False)."""
+        try:
+            fn(*args)
+            return True
+        except Exception as e:
+            self._fail_seq(seq, stage, e)
+            return False
+
+    def _fail_seq(self, seq: Sequence, stage: str, error: Exception) -> None:
+        """Fail an in-flight request for a fault in `stage`; its blocks go back to the pool."""
+        if self._seqs.get(seq.request_id) is not seq:
+            return  # already finished, failed or aborted
+        log.warning("request %s failed in %s", seq.request_id, stage, exc_info=error)
+        self._seqs.pop(seq.request_id)
+        self.scheduler.remove(seq)
+        self.counters["request_faults"] += 1
+        self._fail(seq.record, RequestFault(f"{stage} failed: {type(error).__name__}: {error}"))
+
+    def _on_fault(self, seq: Sequence, error: Exception) -> None:
+        self._fail_seq(seq, "scheduling", error)
+
+    def _step_failed(self, batch: ScheduledBatch, error: Exception) -> bool:
+        """A fault no request explains: fail the step's requests. True when the steps keep
+        failing whatever they hold (the device, not a request, is broken)."""
+        self.counters["step_failures"] += 1
+        self._failures_in_a_row += 1
+        log.error("engine step failed (%d in a row); failing its %d request(s)",
+                  self._failures_in_a_row, len(batch), exc_info=error)  # fmt: skip
+        for seq, _ in batch:
+            self._fail_seq(seq, "engine step (no single request explains it)", error)
+        return self._failures_in_a_row >= MAX_STEP_FAILURES_IN_A_ROW
+
+    def _prepare(self, seq: Sequence) -> None:
+        self._refresh_kv_staleness(seq, seq.num_computed)
+        if seq.wants_prompt_log_probs and seq.request.prompt_length <= 1:
+            seq.request.prompt_log_probs = []  # nothing to score
+            if seq.request.sampling_params.top_n_logprobs:
+                seq.request.prompt_top_n_logprobs = []
 
     def _refresh_kv_staleness(self, seq: Sequence, start: int) -> None:
         """KV computed from `start` on is fresh; after dropped KV, cached hits are fresh too."""
@@ -318,75 +413,94 @@ class DynamicInferenceEngine:
             req.reset_kv_staleness(0 if seq.kv_version is None else start)
         seq.kv_version = self.weight_version
 
-    def _prompt_log_probs(self, prep: PreparedBatch, logits: torch.Tensor | None) -> None:
-        for seq, first, start, count in prep.prompt_lp:
-            req = seq.request
-            top_n = req.sampling_params.top_n_logprobs
-            seq.prompt_lp = seq_lp = seq.prompt_lp[:start]
-            seq.prompt_top_n = seq_top = seq.prompt_top_n[:start]
-            targets = torch.tensor(seq.tokens[start + 1 : start + 1 + count])
-            lp, top = sampler.prompt_log_probs(logits[first : first + count], targets, top_n)
-            seq_lp.extend(lp)
-            seq_top.extend(top)
-            if len(seq_lp) == req.prompt_length - 1:
-                req.prompt_log_probs = seq_lp
-                if top_n:
-                    req.prompt_top_n_logprobs = seq_top
+    def _prompt_log_probs(
+        self, item: tuple[Sequence, int, int, int], logits: torch.Tensor | None
+    ) -> None:
+        seq, first, start, count = item
+        req = seq.request
+        top_n = req.sampling_params.top_n_logprobs
+        seq.prompt_lp = seq_lp = seq.prompt_lp[:start]
+        seq.prompt_top_n = seq_top = seq.prompt_top_n[:start]
+        targets = torch.tensor(seq.tokens[start + 1 : start + 1 + count])
+        lp, top = sampler.prompt_log_probs(logits[first : first + count], targets, top_n)
+        seq_lp.extend(lp)
+        seq_top.extend(top)
+        if len(seq_lp) == req.prompt_length - 1:
+            req.prompt_log_probs = seq_lp
+            if top_n:
+                req.prompt_top_n_logprobs = seq_top
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, out: StepOutput) -> None:
+        """Sample every row (a row that cannot be sampled fails its request alone), then
+        append each token and check its stop conditions, request by request."""
         params = [s.request.sampling_params for s in seqs]
-        result = sampler.sample(
-            logits, params, [s.seed for s in seqs], [len(s.tokens) for s in seqs]
-        )
+        seeds, positions = [s.seed for s in seqs], [len(s.tokens) for s in seqs]
+        result, faults = sampler.sample_isolated(logits, params, seeds, positions)
         now = time.time()
-        interval = self.config.streaming_interval
         for i, seq in enumerate(seqs):
-            sp = params[i]
-            token = result.tokens[i]
-            lp = result.log_probs[i] if sp.return_log_probs else None
-            top = result.top_n[i] if sp.top_n_logprobs else None
-            seq.request.append_token(token, lp, top, self.weight_version, now)
-            seq.tokens.append(token)
-            if lp is not None:
-                seq.log_probs.append(lp)
-            self.counters["tokens_generated"] += 1
-            reason = seq.stop_reason(token)
-            if reason is not None:
-                self._seqs.pop(seq.request_id, None)
-                self.scheduler.remove(seq)
-                self._finish(seq, reason)
-                self._done.append(seq.record)
-            elif interval and seq.num_generated - seq.streamed >= interval:
-                start, seq.streamed = seq.streamed, seq.num_generated
-                out.partials.append((seq.request_id, seq.tokens[seq.first_prompt_len + start :],
-                                     seq.log_probs[start:]))  # fmt: skip
+            if i in faults:
+                self._fail_seq(seq, "sampling", faults[i])
+            elif self._seqs.get(seq.request_id) is seq:
+                self._isolated(seq, "token bookkeeping", self._take_token, seq, result, i, now, out)
+
+    def _take_token(
+        self, seq: Sequence, result: sampler.SampleOutput, i: int, now: float, out: StepOutput
+    ) -> None:
+        sp = seq.request.sampling_params
+        token = result.tokens[i]
+        lp = result.log_probs[i] if sp.return_log_probs else None
+        top = result.top_n[i] if sp.top_n_logprobs else None
+        seq.request.append_token(token, lp, top, self.weight_version, now)
+        seq.tokens.append(token)
+        if lp is not None:
+            seq.log_probs.append(lp)
+        self.counters["tokens_generated"] += 1
+        reason = seq.stop_reason(token)
+        interval = self.config.streaming_interval
+        if reason is not None:
+            self._complete(seq, reason)
+        elif interval and seq.num_generated - seq.streamed >= interval:
+            start, seq.streamed = seq.streamed, seq.num_generated
+            out.partials.append((seq.request_id, seq.tokens[seq.first_prompt_len + start :],
+                                 seq.log_probs[start:]))  # fmt: skip
+
+    def _complete(self, seq: Sequence, reason: str) -> None:
+        """Finish `seq` with `reason` (its record comes out of this step); a fault while
+        finishing (detokenization) fails it instead."""
+        try:
+            self._finish(seq, reason)
+        except Exception as e:
+            self._fail_seq(seq, "detokenization" if reason != "abort" else "abort", e)
+            return
+        self._seqs.pop(seq.request_id, None)
+        self.scheduler.remove(seq)
+        self._done.append(seq.record)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         record, req = seq.record, seq.request
+        text = _detokenize(self.tokenizer, seq.tokens[seq.first_prompt_len :])  # may raise
         req.stop_reason = reason
         req.status = Status.COMPLETED
         req.add_event_finish()
         for r in record.requests[:-1]:
             r.generated_text = ""
-        req.generated_text = _detokenize(self.tokenizer, seq.tokens[seq.first_prompt_len :])
+        req.generated_text = text
         req.latency = record.latency = time.time() - req.arrival_time
         req.staleness_version = self.weight_version  # what its staleness counters count from
         self.counters["requests_finished"] += 1
 
-    def _register_blocks(self, batch: ScheduledBatch) -> None:
-        if not self.config.enable_prefix_caching:
-            return
+    def _register_blocks(self, seq: Sequence) -> None:
+        """Offer `seq`'s newly completed blocks to the prefix cache."""
         bs = self.config.block_size
-        for seq, _ in batch:
-            full = seq.num_computed // bs
-            if not seq.cacheable or full <= seq.num_registered or not seq.block_table:
-                continue
-            hashes = seq.block_hashes(full)
-            for i in range(seq.num_registered, full):
-                parent = seq.block_table[i - 1] if i else NO_PARENT
-                self.blocks.register(seq.block_table[i], hashes[i], seq.tokens[i * bs : (i + 1) * bs],
-                                     parent, self.weight_version)  # fmt: skip
-            seq.num_registered = full
+        full = seq.num_computed // bs
+        if not seq.cacheable or full <= seq.num_registered or not seq.block_table:
+            return
+        hashes = seq.block_hashes(full)
+        for i in range(seq.num_registered, full):
+            parent = seq.block_table[i - 1] if i else NO_PARENT
+            self.blocks.register(seq.block_table[i], hashes[i], seq.tokens[i * bs : (i + 1) * bs],
+                                 parent, self.weight_version)  # fmt: skip
+        seq.num_registered = full
 
     # -- scheduler callbacks ------------------------------------------------------------------
     def _on_admit(self, seq: Sequence, reused: int) -> None:
@@ -405,23 +519,34 @@ class DynamicInferenceEngine:
     def generate(
         self, prompts: Seq[Prompt], sampling_params: SamplingParams | None = None
     ) -> list[DynamicInferenceRequest]:
-        """Run `prompts` to completion; merged requests in input order (failed ones included)."""
-        ids = []
-        for p in prompts:
-            ids.append(self.add_request(None, p, sampling_params).request_id)
+        """Run `prompts` to completion; merged requests in input order (failed ones included).
+        If it raises, none of its requests is left behind in the engine."""
+        ids: list[int] = []
+        try:
+            for p in prompts:
+                ids.append(self.add_request(None, p, sampling_params).request_id)
+            return self._run_to_completion(ids)
+        except BaseException:
+            for rid in ids:
+                self._discard(rid)
+            raise
+
+    def _run_to_completion(self, ids: list[int]) -> list[DynamicInferenceRequest]:
         wanted = set(ids)
         results: dict[int, DynamicInferenceRequestRecord] = {}
         others: list[DynamicInferenceRequestRecord] = []  # someone else's: kept for step()
-        while wanted - results.keys():
-            out = self.step()
-            for record in out.finished:
-                if record.request_id in wanted:
-                    results[record.request_id] = record
-                else:
-                    others.append(record)
-            if not out.finished and not self.scheduler.running and not self.scheduler.waiting:
-                raise RuntimeError("engine stalled with requests outstanding")
-        self._done.extend(others)
+        try:
+            while wanted - results.keys():
+                out = self.step()
+                for record in out.finished:
+                    if record.request_id in wanted:
+                        results[record.request_id] = record
+                    else:
+                        others.append(record)
+                if not out.finished and not self.scheduler.running and not self.scheduler.waiting:
+                    raise RuntimeError("engine stalled with requests outstanding")
+        finally:
+            self._done.extend(others)
         return [results[i].merge() for i in ids]
 
     # -- memory lifecycle ---------------------------------------------------------------------
@@ -562,10 +687,24 @@ def _tokenize(tokenizer: Any, text: str, bos: bool) -> list[int]:
 
 
 def _detokenize(tokenizer: Any, ids: list[int]) -> str | None:
+    """The text of `ids`. A tokenizer that raises for ids it does not know (e.g. an HF slow
+    tokenizer) is retried with those ids as U+FFFD; the token ids stay the truth."""
     if tokenizer is None:
         return None
     fn = getattr(tokenizer, "detokenize", None) or getattr(tokenizer, "decode", None)
-    return fn(ids) if fn is not None else None
+    if fn is None:
+        return None
+    try:
+        return fn(ids)
+    except Exception:
+        size = (
+            len(tokenizer)
+            if hasattr(tokenizer, "__len__")
+            else getattr(tokenizer, "vocab_size", None)
+        )
+        if not isinstance(size, int) or all(0 <= i < size for i in ids):
+            raise
+        return decode_replacing_unknown(fn, ids, size)
 
 
 def _eos_ids(tokenizer: Any, model_config: Any) -> frozenset[int]:

@@ -8,6 +8,10 @@ arithmetic, identical on CPU and CUDA.
 
 Log-probs are log_softmax of the RAW logits (the model's distribution at temperature 1, before
 temperature/top-k/top-p): the quantity a trainer recomputes for the behaviour policy.
+
+`sample_isolated` keeps one bad row from costing the batch: when the batched call raises, each
+row is sampled alone (same tokens: a row's draw depends only on its own logits, params, seed and
+position) and only the rows that still raise are reported as faults.
 """
 
 from __future__ import annotations
@@ -82,6 +86,35 @@ def sample(
     return SampleOutput(token_list, log_probs, top_n)
 
 
+def sample_isolated(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    seeds: Sequence[int],
+    positions: Sequence[int],
+) -> tuple[SampleOutput, dict[int, Exception]]:
+    """`sample()`, and when the batch raises, every row alone: returns the output and the
+    exception of each row that failed on its own (its token is -1, its log-prob None)."""
+    try:
+        return sample(logits, params, seeds, positions), {}
+    except Exception:
+        pass
+    tokens: list[int] = []
+    log_probs: list[float | None] = []
+    top_n: list[dict[int, float]] = []
+    faults: dict[int, Exception] = {}
+    for i in range(len(params)):
+        try:
+            row = sample(
+                logits[i : i + 1], params[i : i + 1], seeds[i : i + 1], positions[i : i + 1]
+            )
+        except Exception as e:
+            faults[i], row = e, SampleOutput([-1], None, None)
+        tokens.append(row.tokens[0])
+        log_probs.append(row.log_probs[0] if row.log_probs else None)
+        top_n.append(row.top_n[0] if row.top_n else {})
+    return SampleOutput(tokens, log_probs, top_n), faults
+
+
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """First index of each row's maximum, like argmax; max(dim) is ~3x faster on CPU."""
     return logits.max(dim=-1).indices
@@ -98,14 +131,17 @@ def _sample_rows(
     if any(t != 1.0 for t in temps):
         x = logits / torch.tensor(temps, device=device)[:, None]
     order = None
-    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]  # past the vocab: off
+    if any(k < vocab or p.top_p < 1.0 for k, p in zip(ks, params, strict=True)):
         x, order = x.sort(dim=-1, descending=True)
-        ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+        ks = torch.tensor(ks, device=device)
         x = x.masked_fill(torch.arange(vocab, device=device)[None, :] >= ks[:, None], float("-inf"))
-        top_p = torch.tensor([p.top_p for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float64)
         probs = torch.softmax(x, dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
-        x = x.masked_fill(before >= top_p[:, None], float("-inf"))  # the first token always stays
+        drop = before >= top_p[:, None]
+        drop[:, 0] = False  # the most likely token always stays, whatever the rounding
+        x = x.masked_fill(drop, float("-inf"))
     return _order_pick(_inverse_cdf(torch.softmax(x, dim=-1), u), order)
 
 

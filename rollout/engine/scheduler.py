@@ -8,6 +8,9 @@ rather than failing anything; the oldest request therefore always makes progress
 
 A waiting sequence whose next block is being computed right now by another sequence (same
 prefix, not cached yet) waits a step instead of computing it twice; it keeps its queue place.
+
+Scheduling work is per sequence, so a sequence whose state makes it raise (corrupted params)
+is taken out of the step, its blocks freed, and reported through `on_fault`; the others go on.
 """
 
 from __future__ import annotations
@@ -33,11 +36,13 @@ class Scheduler:
         blocks: BlockManager,
         on_evict: Callable[[Sequence], None],
         on_admit: Callable[[Sequence, int], None],
+        on_fault: Callable[[Sequence, Exception], None],
     ) -> None:
         self.config = config
         self.blocks = blocks
         self.on_evict = on_evict  # checkpoint + EVICT event (the engine owns record semantics)
         self.on_admit = on_admit  # (seq, prefix tokens reused)
+        self.on_fault = on_fault  # (seq already removed with its blocks freed, the error)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
         self.num_evictions = 0
@@ -66,9 +71,22 @@ class Scheduler:
         prefills = [s for s in self.running if s.num_uncomputed > 1]
         for seq in decodes + prefills:
             if seq in self.running:  # not evicted by an earlier sequence of this loop
-                self._schedule_running(seq, batch, version)
+                try:
+                    self._schedule_running(seq, batch, version)
+                except Exception as e:
+                    self._fault(seq, batch, e)
         self._admit(batch, version)
         return batch
+
+    def _fault(self, seq: Sequence, batch: ScheduledBatch, error: Exception) -> None:
+        """Take `seq` out of this step and of the queues, free its blocks, report it."""
+        for i, (s, n) in enumerate(batch):
+            if s is seq:
+                del batch[i]
+                self._budget += n
+                break
+        self.remove(seq)
+        self.on_fault(seq, error)
 
     def _chunk(self, need: int) -> int:
         """Tokens to compute out of `need`, under the remaining budget."""
@@ -126,9 +144,7 @@ class Scheduler:
         self.num_evictions += 1
 
     def _admit(self, batch: ScheduledBatch, version: int) -> None:
-        bs = self.blocks.block_size
-        caching = self.blocks.enable_prefix_caching
-        pending = self._pending_hashes() if caching else set()
+        pending = self._pending_hashes() if self.blocks.enable_prefix_caching else set()
         i = 0
         while (
             i < len(self.waiting)
@@ -136,28 +152,45 @@ class Scheduler:
             and self._budget > 0
         ):
             seq = self.waiting[i]
-            full = len(seq.tokens) // bs
-            hashes = seq.block_hashes(full) if caching else []
-            hits = self._match(seq, hashes, version)
-            if len(hits) < full and hashes and hashes[len(hits)] in pending:
-                self.blocks.free(hits)  # its next block is being computed: retry next step
-                i += 1
+            try:
+                admitted = self._admit_one(seq, batch, version, pending)
+            except Exception as e:
+                self._fault(seq, batch, e)
                 continue
-            start = len(hits) * bs
-            n = self._chunk(len(seq.tokens) - start)
-            need = _cdiv(start + n, bs) - len(hits)
-            if n <= 0 or not self.blocks.can_allocate(need):
-                self.blocks.free(hits)
+            if admitted is None:
                 break  # FIFO: nobody overtakes the head for resources
-            del self.waiting[i]
-            seq.block_table = hits + self._allocate(seq, hits, need, start + n)
-            seq.num_computed = start
-            seq.num_registered = len(hits)
-            self.running.append(seq)
-            self.on_admit(seq, start)
-            self._take(seq, n, batch)
-            if caching and seq.cacheable:
-                pending.update(hashes[len(hits) :])
+            if not admitted:
+                i += 1
+
+    def _admit_one(
+        self, seq: Sequence, batch: ScheduledBatch, version: int, pending: set[int]
+    ) -> bool | None:
+        """Admit the waiting `seq`: True when admitted, False when it waits for a block another
+        sequence computes now (it keeps its place), None when resources are short."""
+        bs = self.blocks.block_size
+        caching = self.blocks.enable_prefix_caching
+        full = len(seq.tokens) // bs
+        hashes = seq.block_hashes(full) if caching else []
+        hits = seq.block_table = self._match(seq, hashes, version)  # freed with seq on a fault
+        if len(hits) < full and hashes and hashes[len(hits)] in pending:
+            self.blocks.free(seq.drop_kv())  # its next block is being computed: retry next step
+            return False
+        start = len(hits) * bs
+        n = self._chunk(len(seq.tokens) - start)
+        need = _cdiv(start + n, bs) - len(hits)
+        if n <= 0 or not self.blocks.can_allocate(need):
+            self.blocks.free(seq.drop_kv())
+            return None
+        seq.block_table = hits + self._allocate(seq, hits, need, start + n)
+        self.waiting.remove(seq)
+        seq.num_computed = start
+        seq.num_registered = len(hits)
+        self.running.append(seq)
+        self.on_admit(seq, start)
+        self._take(seq, n, batch)
+        if caching and seq.cacheable:
+            pending.update(hashes[len(hits) :])
+        return True
 
     def _match(self, seq: Sequence, hashes: list[int], version: int) -> list[int]:
         if not (self.blocks.enable_prefix_caching and seq.cacheable) or seq.wants_prompt_log_probs:
