@@ -9,6 +9,7 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
 import time
 
 import pytest
@@ -229,3 +230,43 @@ def test_restart_limit_reached_leaves_the_rank_down_and_the_rest_serving():
         assert sorted(acks) == [1]
     finally:
         cluster.close()
+
+
+def test_rollout_manager_dp2_engine_killed_mid_generation_is_restarted_with_current_weights():
+    from rollout.manager import RolloutManager, RolloutManagerConfig
+
+    model = build_model(ModelConfig.preset("tiny", vocab_size=259), seed=3).eval()
+    m = RolloutManager(
+        RolloutManagerConfig(dp=2), model=model, tokenizer=ByteTokenizer(),
+        inference_config=InferenceConfig(num_blocks=64, streaming_interval=4),
+        cluster_options={"coordinator": FAST, "restart": {"backoff_s": 0.1}},
+    )  # fmt: skip
+    cluster = m.engine.cluster
+    try:
+        v1 = _perturbed(model)
+        assert m.update_weights(v1) == 1
+        long = SP.replace(num_tokens_to_generate=48)
+        victim = cluster.engine_processes[0]
+        killer = threading.Timer(0.0, lambda: _kill_when_busy(cluster, victim))
+        killer.start()
+        samples = m.generate(PROMPTS, n=2, sampling_params=long)  # nothing lost to the kill
+        killer.join(30)
+        assert not victim.is_alive() and all(len(s.completion_tokens) == 48 for s in samples)
+        wait_for(lambda: m.stats()["engine/restarts"] == 1, 60, "the restart")
+        wait_for(lambda: m.stats()["engine/num_engines"] == 2, 60, "2 engines")
+        stats = m.stats()
+        assert stats["engine/rank0/weight_version"] == stats["engine/rank1/weight_version"] == 1
+        got = [s.completion_tokens for s in m.generate(PROMPTS, sampling_params=SP)]
+        assert got == _greedy(v1)
+        v2 = _perturbed(v1)
+        assert m.update_weights(v2) == 2 and sorted(m.engine.last_sync) == [0, 1]
+        got = [s.completion_tokens for s in m.generate(PROMPTS, sampling_params=SP)]
+        assert got == _greedy(v2)
+    finally:
+        m.close()
+
+
+def _kill_when_busy(cluster: EngineCluster, victim: mp.Process) -> None:
+    """SIGKILL `victim` once the coordinator has requests in flight (bounded wait)."""
+    wait_for(lambda: cluster.stats()["pending_requests"] > 0, 30, "requests in flight")
+    os.kill(victim.pid, signal.SIGKILL)

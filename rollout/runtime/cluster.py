@@ -250,11 +250,11 @@ class EngineCluster:
             raise RuntimeError("this cluster was started with weight_sync=False")
         sd = as_state_dict(source)
         with self._update_lock:
-            members = self._serving_ranks()
+            members = self._serving_engines()
             try:
                 infos = self._push(sd, version, members, on_bucket)
             except WeightSyncError as e:
-                survivors = self._serving_ranks()
+                survivors = self._serving_engines()
                 if not e.transport_broken or survivors == members:
                     raise
                 infos = self._push(sd, version, survivors, on_bucket)
@@ -264,16 +264,20 @@ class EngineCluster:
             self._retire_stale(version)
         return infos
 
-    def _serving_ranks(self) -> list[int]:
-        """Ranks whose process is alive and registered with the coordinator."""
+    def _serving_engines(self) -> list[tuple[int, int]]:
+        """(rank, pid) of each engine whose process is alive and registered with the
+        coordinator: a restarted engine is a new member even under its old rank."""
         engines = self.stats()["engines"]
-        return sorted(
-            int(r) for r, e in engines.items()
-            if not e["stopped"] and self.engine_processes[int(r)].is_alive()
-        )  # fmt: skip
+        procs = [(int(r), self.engine_processes[int(r)]) for r, e in engines.items()
+                 if not e["stopped"]]  # fmt: skip
+        return sorted((r, p.pid) for r, p in procs if p.is_alive())
 
     def _push(
-        self, sd: dict[str, torch.Tensor], version: int, members: list[int], on_bucket: Any
+        self,
+        sd: dict[str, torch.Tensor],
+        version: int,
+        members: list[tuple[int, int]],
+        on_bucket: Any,
     ) -> dict[int, dict]:
         sync = self.sync
         sync.prepare(members)  # the generation key must be in the store before workers look
@@ -295,7 +299,8 @@ class EngineCluster:
                     transport_broken=broken,
                 ) from e
         infos = _result(ack, self.sync_timeout_s)
-        applied = {r: i for r, i in infos.items() if int(r) in members and "lost" not in i}
+        ranks = {r for r, _ in members}
+        applied = {r: i for r, i in infos.items() if int(r) in ranks and "lost" not in i}
         bad = {r: i for r, i in applied.items() if i.get("weight_version") != version}
         if bad:
             raise WeightSyncError(f"engines did not apply version {version}: {bad}")
@@ -387,21 +392,21 @@ class _TrainerSync:
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.store = open_store(LOOPBACK, 0, timeout_s)  # loopback only: the store has no auth
         self.generation = 0
-        self.members: list[int] = []
+        self.members: list[tuple[int, int]] = []
         self.sender: WeightSender | None = None
 
     def worker_info(self, rank: int) -> dict[str, Any]:
         return {"host": LOOPBACK, "port": self.store.port, "rank": rank,
                 "timeout_s": self.timeout_s}  # fmt: skip
 
-    def prepare(self, members: list[int]) -> None:
-        """Announce this update's group: the same one again, or a new generation when the last
-        transfer broke or the serving engines changed."""
+    def prepare(self, members: list[tuple[int, int]]) -> None:
+        """Announce this update's group of (rank, pid) members: the same one again, or a new
+        generation when the last transfer broke or the serving engine processes changed."""
         if self.sender is None or members != self.members:
             self.broken()
             self.generation += 1
             self.members = list(members)
-            ranks = ",".join(map(str, members))
+            ranks = ",".join(str(r) for r, _ in members)
             self.store.set(STORE_KEY, f"{self.generation}:{self.backend}:{ranks}")
 
     def commit(self, version: int) -> None:
