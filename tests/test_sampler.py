@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rollout.engine import sampler
 from rollout.sampling import SamplingParams
@@ -98,3 +102,73 @@ def test_uniform_is_in_range_and_deterministic():
     assert all(0.0 <= u < 1.0 for u in us)
     assert sampler.uniform(123, 456) == sampler.uniform(123, 456)
     assert abs(sum(us) / len(us) - 0.5) < 0.02
+
+
+def test_tiny_temperature_and_top_p_sample_the_argmax():
+    """temperature=1e-46 divided the logits into inf and top_p=1e-46 rounded to 0 in float32:
+    both picked wrong tokens; they are greedy now, and the sampler keeps the top token even
+    when asked to filter with such a top_p directly."""
+    logits = _logits(16, seed=3)
+    best = logits.argmax(-1).tolist()
+    for sp in (SamplingParams(temperature=1e-46), SamplingParams(top_p=1e-46)):
+        out = sampler.sample(logits, [sp] * 16, list(range(16)), [9] * 16)
+        assert out.tokens == best
+    sp = SamplingParams()
+    sp.top_p = 1e-46  # bypass is_greedy: the top-p filter itself keeps the most likely token
+    u = torch.rand(16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    assert sampler._sample_rows(logits, [sp] * 16, u).tolist() == best
+
+
+def test_a_row_that_cannot_be_sampled_fails_alone():
+    logits = _logits(4)
+    params = [SamplingParams(temperature=0.7, seed=i, top_k=5) for i in range(4)]
+    clean = sampler.sample(logits, params, [1, 2, 3, 4], [5] * 4)
+    params[2] = SamplingParams()
+    params[2].temperature = "hot"  # what validation would refuse
+    out, faults = sampler.sample_isolated(logits, params, [1, 2, 3, 4], [5] * 4)
+    assert list(faults) == [2] and isinstance(faults[2], TypeError)
+    assert [out.tokens[i] for i in (0, 1, 3)] == [clean.tokens[i] for i in (0, 1, 3)]
+
+
+def _any_params(draw) -> SamplingParams:
+    """Each field drawn from well past its bounds; a value validation refuses becomes the
+    default (fields are validated independently), so every draw is a valid SamplingParams."""
+    ints = st.integers(-(2**70), 2**70) | st.integers(-3, 70) | st.sampled_from([2**31 - 1, 1024])
+    floats = st.floats(allow_nan=True, allow_infinity=True) | st.floats(0, 1e-30) | st.floats(0, 2)
+    wild = dict(
+        temperature=floats,
+        top_k=ints,
+        top_p=floats,
+        num_tokens_to_generate=ints,
+        stop_token_ids=st.lists(ints, max_size=3),
+        return_log_probs=st.booleans(),
+        top_n_logprobs=ints,
+        seed=st.none() | ints,
+    )
+    kw = {}
+    for field, strategy in wild.items():
+        value = draw(strategy)
+        try:
+            SamplingParams(**{field: value})
+        except ValueError:
+            continue
+        kw[field] = value
+    return SamplingParams(**kw)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_every_valid_sampling_params_can_be_sampled(data):
+    """Property: whatever passes validation, the real sampler samples without raising and
+    returns a token of the vocabulary (and finite log-probs when asked)."""
+    params = [_any_params(data.draw) for _ in range(data.draw(st.integers(1, 3)))]
+    scale = data.draw(st.sampled_from([1.0, 1e-3, 1e4]))
+    logits = _logits(len(params), seed=data.draw(st.integers(0, 5))) * scale
+    seeds = [p.seed if p.seed is not None else 1 for p in params]
+    out = sampler.sample(logits, params, seeds, [7] * len(params))
+    assert all(0 <= t < V for t in out.tokens)
+    for i, p in enumerate(params):
+        if p.return_log_probs:
+            assert math.isfinite(out.log_probs[i])
+        if p.top_n_logprobs:
+            assert len(out.top_n[i]) == min(p.top_n_logprobs, V)

@@ -33,19 +33,25 @@ INVALID = [
     ("top_k", -1),
     ("top_k", 1.5),
     ("top_k", True),
+    ("top_k", 2**63),  # overflowed inside the engine step
+    ("top_k", 2**31),
     ("top_p", 0.0),
     ("top_p", 1.0001),
     ("top_p", -0.5),
     ("top_p", math.nan),
     ("num_tokens_to_generate", 0),
     ("num_tokens_to_generate", 2.0),
+    ("num_tokens_to_generate", 2**64),  # was an OverflowError (msgpack) past validation
+    ("num_tokens_to_generate", 2**31),
     ("stop_words", "stop"),
     ("stop_words", [""]),
     ("stop_words", [1]),
     ("stop_token_ids", [-1]),
     ("stop_token_ids", [1.0]),
     ("stop_token_ids", 5),
+    ("stop_token_ids", [2**31]),
     ("top_n_logprobs", -1),
+    ("top_n_logprobs", 1025),
     ("seed", -1),
     ("seed", 2**63),
     ("seed", 1.0),
@@ -83,7 +89,16 @@ def test_valid_edge_values_and_normalisation():
 
 @pytest.mark.parametrize(
     "kw, greedy",
-    [({}, False), ({"temperature": 0.0}, True), ({"top_k": 1}, True), ({"top_k": 2}, False)],
+    [
+        ({}, False),
+        ({"temperature": 0.0}, True),
+        ({"top_k": 1}, True),
+        ({"top_k": 2}, False),
+        ({"temperature": 1e-46}, True),  # below GREEDY_BELOW: the limit, without overflow
+        ({"top_p": 1e-46}, True),
+        ({"temperature": 1e-5}, False),
+        ({"top_p": 1e-5}, False),
+    ],
 )
 def test_is_greedy(kw, greedy):
     assert SamplingParams(**kw).is_greedy is greedy
@@ -164,3 +179,29 @@ def test_serialize_returns_fresh_lists():
     sp = SamplingParams(stop_token_ids=[3])
     sp.serialize()["stop_token_ids"].append(4)
     assert sp.stop_token_ids == [3]
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        ({"temperature": 10**400}, "temperature"),  # float() overflows: still a ValueError
+        ({"top_k": 10**5000}, "top_k"),  # too long to print: still named
+        ({"stop_words": ["x"] * 65}, "stop_words"),
+        ({"stop_words": ["x" * 513]}, "stop_words"),
+        ({"stop_token_ids": [1] * 4097}, "stop_token_ids"),
+    ],
+)
+def test_limits_raise_value_error_naming_the_field(kw, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kw)
+    obj = SamplingParams().serialize() | kw  # the deserialize fast path rejects them too
+    with pytest.raises(ValueError, match=field):
+        SamplingParams.deserialize(obj)
+
+
+def test_check_catches_fields_changed_after_construction():
+    sp = SamplingParams(top_k=5)
+    sp.check()
+    sp.top_k = 2**63
+    with pytest.raises(ValueError, match="top_k"):
+        sp.check()
