@@ -55,8 +55,8 @@ COVERED = {
     "model=hf_dir model.path=/ckpt/Qwen2.5-0.5B-Instruct": "test_hf_dir_checkpoint",
     "engine=gpu": "test_engine_gpu",
     "rollout serve --model DIR|tiny --dp N [--port P] [--policy NAME]": "test_serve_synopsis",
-    "rollout serve --model DIR --host 0.0.0.0 --auth-token S": "test_serve_with_remote_engine",
-    "rollout engine --coordinator tcp://HOST:PORT --rank R --model DIR --auth-token S": "test_serve_with_remote_engine",
+    "rollout serve --model DIR --host 0.0.0.0": "test_serve_with_remote_engine",
+    "rollout engine --coordinator tcp://HOST:PORT --rank R --model DIR --auth-token-file FILE": "test_serve_with_remote_engine",
     "python -m recipes.grpo_reverse -m hydra/launcher=submitit_slurm trainer.lr=1e-3,3e-3": "test_slurm_sweep_row",
 }  # fmt: skip
 # README ```python blocks (by the heading above them) -> the test that executes them.
@@ -414,6 +414,9 @@ def test_serve_with_remote_engine(tmp_path):
         address = serve.read_until(r"coordinator (tcp://\S+) pid")[1]
         serve.read_until(r"^ready")
         token = peer_token(serve, serve_argv, env)
+        printed = [m for line in serve.seen if (m := re.match(r"auth token file (\S+)", line))]
+        if printed:  # FILE in the engine's row: a copy of the file serve printed
+            subs["FILE"] = printed[0][1]
         host_port = address.removeprefix("tcp://").replace("0.0.0.0", "127.0.0.1")
         engine_argv, env = argv_of(readme_command("test_serve_with_remote_engine", "engine"),
                                    **{"HOST:PORT": host_port, **subs})  # fmt: skip
