@@ -67,7 +67,7 @@ SNIPPETS = {
 # README commands no test runs, each with the reason; keep this short.
 NOT_RUN = {
     "pip install hydra-submitit-launcher": "installs a package from the network",
-    "torchrun": "a launcher name in prose, not a command line",
+    "rollout serve": "the command's name in prose; its synopsis and real runs are covered above",
 }
 
 
