@@ -22,7 +22,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -42,6 +42,7 @@ from rollout.protocol import (
     unpack_floats,
     unpack_obj,
     unpack_tokens,
+    unpack_versions,
 )
 from rollout.request import DynamicInferenceRequestRecord
 from rollout.sampling import SamplingParams
@@ -73,11 +74,13 @@ class ClientStopped(ClientError):
 
 @dataclass(slots=True)
 class Partial:
-    """Newly streamed tokens of one request (log-probs empty unless requested)."""
+    """Newly streamed tokens of one request (log-probs empty unless requested) and the weight
+    version that sampled each."""
 
     tokens: list[int]
     log_probs: list[float]
     extra: Any = None
+    weight_versions: list[int] = field(default_factory=list)
 
 
 _DONE = object()
@@ -385,7 +388,7 @@ class InferenceClient:
             for crid, blob in fields[0]:
                 self._resolve(crid, blob)
         elif header is Headers.REPLY_PARTIAL:
-            for crid, tokens, log_probs, extra in fields[0]:
+            for crid, tokens, log_probs, versions, extra in fields[0]:
                 q = self._streams.get(crid)
                 if q is not None:
                     q.put_nowait(
@@ -393,6 +396,7 @@ class InferenceClient:
                             unpack_tokens(tokens),
                             unpack_floats(log_probs),
                             None if extra is None else unpack_obj(extra),
+                            unpack_versions(versions),
                         )
                     )
         elif header is Headers.CONTROL_ACK:

@@ -10,20 +10,25 @@ as opaque `bytes` fields: it decodes only the small header and ids and forwards 
 travel as packed int32 bytes (`pack_tokens`), which costs a few microseconds instead of tens for a
 msgpack list of Python ints.
 
+A re-dispatched request carries its checkpoint: the tokens, log-probs and per-token weight
+versions (packed int64, `pack_versions`) its lost engine streamed, so the engine that resumes it
+stamps each token with the version that really sampled it. First dispatches carry empty bytes.
+
 Message catalogue (C = client, Co = coordinator, E = engine); `SCHEMA` is authoritative:
 
     CONNECT            C->Co   [auth_token]                   CONNECT_ACK   Co->C [client_id, num_engines, heartbeat_s]
     ENGINE_REGISTER    E->Co   [rank, capacity, weight_version, auth_token, block_size]
-    ENGINE_REGISTER_ACK Co->E  [engine_id, heartbeat_s, state]
+    ENGINE_REGISTER_ACK Co->E  [engine_id, heartbeat_s, state, weight_version, max_frame_bytes]
     SUBMIT_REQUEST     C->Co   [client_request_id, prompt(str | packed tokens), sampling_params(msgpack bytes),
                                 num_tokens_to_generate, stream]
     DISPATCH_REQUEST   Co->E   [request_id, prompt, sampling_params, block_hashes(packed int64),
-                                resume_tokens(packed int32), resume_log_probs(packed float64), stream]
+                                resume_tokens(packed int32), resume_log_probs(packed float64),
+                                resume_weight_versions(packed int64), stream]
     SUBMIT_BATCH       C->Co   [[[client_request_id, prompt, sampling_params, num_tokens_to_generate,
                                 stream], ...]]   (SUBMIT_REQUESTs sent in one loop turn, one frame)
     DISPATCH_BATCH     Co->E   [[[DISPATCH_REQUEST fields], ...]]  (one SUBMIT_BATCH's rows per engine)
     REPLY              E->Co, Co->C   [[[id, record_bytes], ...]]           (batched per step)
-    REPLY_PARTIAL      E->Co, Co->C   [[[id, new_tokens, new_log_probs, extra], ...]]
+    REPLY_PARTIAL      E->Co, Co->C   [[[id, new_tokens, new_log_probs, new_weight_versions, extra], ...]]
     ABORT_REQUEST      C->Co, Co->E   [id]
     PAUSE/UNPAUSE/RESUME/STOP  C->Co->E  [control_id]
     SUSPEND            C->Co->E  [control_id, mode]
@@ -134,6 +139,7 @@ _DISPATCH_FIELDS = (
     ("block_hashes", BYTES),
     ("resume_tokens", BYTES),
     ("resume_log_probs", BYTES),
+    ("resume_weight_versions", BYTES),
     ("stream", BOOL),
 )
 
@@ -147,7 +153,13 @@ SCHEMA: dict[Headers, tuple[tuple[str, Any], ...]] = {
         ("auth_token", OPT_STR),
         ("block_size", INT),
     ),
-    Headers.ENGINE_REGISTER_ACK: (("engine_id", INT), ("heartbeat_s", NUM), ("state", STR)),
+    Headers.ENGINE_REGISTER_ACK: (
+        ("engine_id", INT),
+        ("heartbeat_s", NUM),
+        ("state", STR),
+        ("weight_version", INT),  # the coordinator's label: label-only engines adopt it
+        ("max_frame_bytes", INT),  # the largest frame it accepts: engines split replies under it
+    ),
     Headers.SUBMIT_REQUEST: (
         ("client_request_id", INT),
         ("prompt", PROMPT),
@@ -177,6 +189,7 @@ SCHEMA: dict[Headers, tuple[tuple[str, Any], ...]] = {
                 ("id", INT),
                 ("new_tokens", BYTES),
                 ("new_log_probs", BYTES),
+                ("new_weight_versions", BYTES),
                 ("extra", OPT_BYTES),
             ),
         ),
@@ -397,6 +410,20 @@ def pack_hashes(hashes: Any) -> bytes:
 
 def unpack_hashes(data: bytes) -> list[int]:
     return _unpack(data, _I64, "hashes").tolist()
+
+
+def pack_versions(versions: Any) -> bytes:
+    """Per-token weight versions as int64 little-endian bytes."""
+    if type(versions) in (list, tuple) and _LITTLE and not (versions and type(versions[0]) is bool):
+        try:  # as in pack_tokens: struct is the fast path for a short list of ints
+            return struct.pack(f"<{len(versions)}q", *versions)
+        except (struct.error, TypeError, OverflowError):
+            pass
+    return _pack_ints(versions, _I64, "weight versions")
+
+
+def unpack_versions(data: bytes) -> list[int]:
+    return _unpack(data, _I64, "weight versions").tolist()
 
 
 def pack_floats(values: Any) -> bytes:

@@ -56,7 +56,7 @@ class FakeConfig:
 @dataclass
 class StepOutput:
     finished: list[DynamicInferenceRequestRecord] = field(default_factory=list)
-    partials: list[tuple[int, list[int], list[float]]] = field(default_factory=list)
+    partials: list[tuple[int, list[int], list[float], list[int]]] = field(default_factory=list)
 
 
 class FakeEngine:
@@ -154,7 +154,8 @@ class FakeEngine:
             elif interval and len(req.generated_tokens) - streamed >= interval:
                 new = req.generated_tokens[streamed:]
                 lps = req.generated_log_probs[streamed:] if sp.return_log_probs else []
-                out.partials.append((rid, list(new), list(lps)))
+                versions = req.generated_weight_versions[streamed:]
+                out.partials.append((rid, list(new), list(lps), list(versions)))
                 self._active[rid] = (record, context, len(req.generated_tokens))
         out.finished.extend(self._done)
         self._done = []

@@ -282,10 +282,10 @@ def test_streaming_partials_and_abort(model):
     while eng.has_unfinished_requests():
         out = eng.step()
         steps += 1
-        for rid, toks, lp in out.partials:
+        for rid, toks, lp, versions in out.partials:
             parts[rid] += toks
             lps[rid] += lp
-            assert len(toks) == 3 and len(lp) == 3
+            assert len(toks) == 3 and len(lp) == 3 and versions == [eng.weight_version] * 3
         for rec in out.finished:
             finished[rec.request_id] = rec.merge()
         if steps == 4:

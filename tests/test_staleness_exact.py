@@ -11,11 +11,13 @@ transit) between collect and suspend, and several updates land while records are
 from __future__ import annotations
 
 import functools
+import itertools
+import json
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import staleness_oracle as oracle
@@ -161,32 +163,54 @@ def test_staleness_matches_oracle(tmp_path, dp, mode, kv_policy, suspend_mode, n
     assert stats["staleness/policy_max"] == max(max(s.policy_staleness) for s, _ in got[-2:])
 
 
+def _victim_progress(log: Path) -> dict[str, int]:
+    """Per request key: how many tokens the engine whose log this is has sampled."""
+    counts: dict[str, int] = {}
+    for line in log.read_text().splitlines():
+        ev = json.loads(line)
+        for key, idx, _ in ev.get("sampled", ()):
+            counts[key] = max(counts.get(key, 0), idx + 1)
+    return counts
+
+
 def test_killed_engine_requests_are_redispatched_with_exact_staleness(tmp_path):
-    """dp=3, an engine SIGKILLed while it generates: the coordinator re-dispatches its requests
-    from their streamed tokens and every handed-out token still matches the oracle (the dead
-    engine's log attributes the tokens it sampled before it died)."""
-    with _manager(tmp_path, 3, "colocated", "keep", "offload", 64) as m:
+    """dp=3, async: requests stream tokens under version 0, an update lands while they are in
+    flight, then an engine holding some of them is SIGKILLed. The coordinator re-dispatches them
+    from their streamed checkpoints, whose tokens keep the version that sampled them (not the
+    resuming engine's, which is newer): every handed-out token matches the oracle."""
+    long = 150
+    icfg = {**_icfg(256, "keep"), "max_sequence_length": 160}
+    options = {
+        "engine_factory": functools.partial(oracle.build_engine, str(tmp_path)),
+        "coordinator": {"heartbeat_s": 0.2, "engine_timeout_s": 2.0, "block_size": 4},
+    }
+    manager = RolloutManager(model="tiny", tokenizer=None, dp=3, inference_config=icfg,
+                             cluster_options=options, mode="async", max_inflight_groups=6,
+                             collect_timeout_s=120.0)  # fmt: skip
+    # one short request to return the first collect, five long ones left generating
+    source = itertools.islice(_prompts((3, long, long, long, long, long)), 6)
+    with manager as m:
         history = [m.version]
-        got = [(s, 0) for s in m.collect(_prompts(), 2)]
+        got = [(s, 0) for s in m.collect(source, 1)]
         victim = m.engine.cluster.engine_processes[0]
         log = tmp_path / f"engine-{victim.pid}.jsonl"
-        steps = log.read_text().count('"step"')
-        batch: list = []
-        errors: list = []
 
-        def collect_more() -> None:
-            try:
-                batch.extend(m.collect(_prompts((40,), 100), 6))
-            except Exception as e:  # reported by the main thread
-                errors.append(e)
+        def victim_streamed() -> bool:  # 4 sampled: the first 2-token partial has left it
+            return any(4 <= n < long // 2 for n in _victim_progress(log).values())
 
-        collect = threading.Thread(target=collect_more)
-        collect.start()
-        _wait_until(lambda: log.read_text().count('"step"') >= steps + 4, 60, "the victim busy")
-        os.kill(victim.pid, signal.SIGKILL)
-        collect.join(120)
-        assert not errors and len(batch) == 6, errors
-        got += [(s, 0) for s in batch]
+        _wait_until(victim_streamed, 60, "the victim streaming a request")
+        history.append(m.update_weights(_weights(1)))  # engines apply it between steps
+        os.kill(victim.pid, signal.SIGKILL)  # its requests carry tokens sampled at version 0
+        before_kill = _victim_progress(log)
+        got += [(s, 1) for s in m.collect(source, 5)]
         stats = m.stats()
-    assert stats["coordinator/redispatched"] >= 1
+    assert len(got) == 6 and stats["coordinator/redispatched"] >= 1
     _check(tmp_path, got, history)
+    resumed = [  # finished elsewhere, holding tokens the victim sampled before the update
+        s
+        for s, _ in got
+        if 0 < before_kill.get(",".join(map(str, s.prompt_tokens)), 0) < len(s.completion_tokens)
+    ]
+    assert any(0 in s.token_versions and 1 in s.token_versions for s in resumed), [
+        (s.request_id, s.weight_versions) for s in resumed
+    ]

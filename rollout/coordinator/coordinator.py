@@ -83,7 +83,9 @@ class DataParallelInferenceCoordinator(RequestHandlers):
         self.router = Router(cfg.policy, cfg.alpha, cfg.max_hash_entries, cfg.deterministic)
         self.block_size = cfg.block_size
         self.state = CoordinatorState.RUNNING
-        self.weight_version = 0
+        # The version label: the last SET_WEIGHT_VERSION, else the first engine's. Label-only
+        # engines adopt it when they register (a relabel they missed while frozen included).
+        self.weight_version: int | None = None
         self.engines: dict[bytes, EnginePeer] = {}
         self.clients: dict[bytes, ClientPeer] = {}
         self.requests: dict[int, Pending] = {}
@@ -345,9 +347,16 @@ class DataParallelInferenceCoordinator(RequestHandlers):
         self.router.add_engine(identity, rank)
         if self.block_size is None:
             self.block_size = block_size
+        if self.weight_version is None:
+            self.weight_version = version
         self.counters["engines_registered"] += 1
         ack = encode(
-            Headers.ENGINE_REGISTER_ACK, engine.engine_id, self.config.heartbeat_s, self.state.value
+            Headers.ENGINE_REGISTER_ACK,
+            engine.engine_id,
+            self.config.heartbeat_s,
+            self.state.value,
+            self.weight_version,
+            self.config.max_frame_bytes,
         )
         if self._send_engine(engine, ack):
             for p in list(self.orphans.values()):
@@ -415,6 +424,9 @@ class DataParallelInferenceCoordinator(RequestHandlers):
     def _on_engine_heartbeat(self, engine: EnginePeer, fields: list) -> None:
         load = fields[0]
         engine.load = load
+        version = load.get("weight_version")
+        if type(version) is int:  # the engine's own word (it may have adopted our label)
+            engine.weight_version = version
         tokens = load.get("outstanding_tokens")
         if type(tokens) is int and not engine.aborting:  # else it may count aborted requests
             self.router.publish_load(engine.identity, tokens)

@@ -51,6 +51,8 @@ class Pending:
     reserved: int = 0  # tokens reserved on the router for the current engine
     resume_tokens: bytearray = field(default_factory=bytearray)  # streamed so far (int32 LE)
     resume_log_probs: bytearray = field(default_factory=bytearray)  # (float64 LE)
+    # the weight version that sampled each streamed token (int64 LE): a resumed token keeps it
+    resume_versions: bytearray = field(default_factory=bytearray)
     dispatches: int = 0
     crashes: int = 0  # engines that died (or left) while holding it
     deadline: float | None = None  # set while waiting for an engine

@@ -132,6 +132,7 @@ class RequestHandlers:
             hashes,
             bytes(p.resume_tokens),
             bytes(p.resume_log_probs),
+            bytes(p.resume_versions),
             p.stream,
         ]
         if batch is not None:
@@ -191,21 +192,23 @@ class RequestHandlers:
 
     def _on_partial(self, engine: EnginePeer, fields: list) -> None:
         out: dict[bytes, list] = {}
-        for rid, tokens, log_probs, extra in fields[0]:
+        for rid, tokens, log_probs, versions, extra in fields[0]:
             p = self.requests.get(rid)
             if p is None or p.engine != engine.identity:
                 self.counters["late_partials"] += 1
                 continue
-            if len(tokens) % 4 or len(log_probs) % 8:
-                self.counters["malformed"] += 1
-                continue
             n = len(tokens) // 4
+            if len(tokens) % 4 or len(log_probs) % 8 or len(versions) != 8 * n:
+                self.counters["malformed"] += 1  # a checkpoint that could not resume exactly
+                continue
             p.resume_tokens += tokens
             p.resume_log_probs += log_probs
+            p.resume_versions += versions
             p.reserved -= n
             self.router.release(engine.identity, n)
             if p.stream and p.client in self.clients:
-                out.setdefault(p.client, []).append([p.client_request_id, tokens, log_probs, extra])
+                row = [p.client_request_id, tokens, log_probs, versions, extra]
+                out.setdefault(p.client, []).append(row)
         self.counters["partials"] += len(fields[0])
         for identity, rows in out.items():
             self._send_client(identity, encode(Headers.REPLY_PARTIAL, rows))

@@ -63,10 +63,11 @@ class EngineBrokenError(RuntimeError):
 @dataclass
 class StepOutput:
     """What one step produced: finished records and streaming partials
-    `(request_id, new_tokens, new_log_probs)` (log-probs empty unless requested)."""
+    `(request_id, new_tokens, new_log_probs, new_weight_versions)` (log-probs empty unless
+    requested; the versions let another engine resume the request with exact staleness)."""
 
     finished: list[DynamicInferenceRequestRecord] = field(default_factory=list)
-    partials: list[tuple[int, list[int], list[float]]] = field(default_factory=list)
+    partials: list[tuple[int, list[int], list[float], list[int]]] = field(default_factory=list)
 
 
 class DynamicInferenceEngine:
@@ -462,7 +463,8 @@ class DynamicInferenceEngine:
         elif interval and seq.num_generated - seq.streamed >= interval:
             start, seq.streamed = seq.streamed, seq.num_generated
             out.partials.append((seq.request_id, seq.tokens[seq.first_prompt_len + start :],
-                                 seq.log_probs[start:]))  # fmt: skip
+                                 seq.log_probs[start:],
+                                 _last_versions(seq.record, seq.num_generated - start)))  # fmt: skip
 
     def _complete(self, seq: Sequence, reason: str) -> None:
         """Finish `seq` with `reason` (its record comes out of this step); a fault while
@@ -675,6 +677,17 @@ class DynamicInferenceEngine:
         )
         out.update(self.load())
         return out
+
+
+def _last_versions(record: DynamicInferenceRequestRecord, n: int) -> list[int]:
+    """Weight versions of the last `n` generated tokens (an eviction checkpoint may split them
+    over segments)."""
+    out: list[int] = []
+    for req in reversed(record.requests):
+        if len(out) >= n:
+            break
+        out[:0] = req.generated_weight_versions[-(n - len(out)) :]
+    return out
 
 
 # -- tokenizer adapters (rollout.tokenizers API, with HF-style fallbacks) ----------------------

@@ -12,7 +12,12 @@ timeout was forgotten and its requests went elsewhere: the first "unknown peer" 
 drop them and register again, adopting the coordinator's pause/suspend state before it takes
 work. Errors still in flight from before that registration are ignored. A worker in a weight-sync
 group also checks the trainer's last committed weight version after registering and exits with
-`EXIT_STALE_WEIGHTS` if it missed an update, so its supervisor restarts it from current weights.
+`EXIT_STALE_WEIGHTS` if it missed an update, so its supervisor restarts it from current weights;
+a worker whose versions are labels only adopts the coordinator's label instead (a relabel it
+missed while frozen would otherwise stay missed).
+
+Replies are split into frames under the coordinator's `max_frame_bytes` (it drops the connection
+of a peer whose frame is larger): a step that finishes many long records sends several frames.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ import zmq
 from rollout.gc_tuning import freeze_startup_heap
 from rollout.protocol import (
     CONTROL_HEADERS,
+    MAX_BATCH_ROWS,
+    MAX_FRAME_BYTES,
     Headers,
     ProtocolError,
     decode,
@@ -41,10 +48,12 @@ from rollout.protocol import (
     pack_floats,
     pack_hashes,
     pack_tokens,
+    pack_versions,
     unpack_floats,
     unpack_hashes,
     unpack_obj,
     unpack_tokens_array,
+    unpack_versions,
 )
 from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord, Status
 from rollout.sampling import SamplingParams
@@ -55,6 +64,10 @@ log = logging.getLogger(__name__)
 EXIT_STALE_WEIGHTS = 3  # its weights are older than the committed ones: restart from current
 EXIT_COORDINATOR_LOST = 4  # the coordinator went silent or refused it
 COMMITTED_KEY = "rollout/weight_sync/committed"  # the trainer's last applied version (TCPStore)
+# Bytes a reply row adds to its frame beyond the payload (msgpack list, id, bin headers), and a
+# frame beyond its rows: generous upper bounds, so a frame sized with them stays under the limit.
+ROW_OVERHEAD = 32
+FRAME_OVERHEAD = 64
 
 
 class StaleWeights(RuntimeError):
@@ -86,6 +99,7 @@ class EngineWorker:
         self.paused = False
         self.suspended: str | None = None
         self.weight_version = int(getattr(engine, "weight_version", 0))
+        self.max_frame_bytes = MAX_FRAME_BYTES  # the coordinator's, from its registration ack
         self.active: set[int] = set()  # request ids the coordinator believes we own
         self.running = False
         self.exit_code = 0
@@ -133,8 +147,10 @@ class EngineWorker:
                 raise PermissionError(f"engine rank {self.rank} refused: {fields[2]}")
             if header is Headers.ENGINE_REGISTER_ACK:
                 self._last_recv = time.monotonic()
-                self.heartbeat_s = fields[1]
-                self._adopt_state(fields[2])
+                _, self.heartbeat_s, state, version, self.max_frame_bytes = fields
+                self._adopt_state(state)
+                if self.sync is None:  # versions are labels: the coordinator's is current
+                    self.weight_version = version
                 self._check_committed_version()
                 return
 
@@ -210,10 +226,10 @@ class EngineWorker:
 
     def _handle(self, header: Headers, fields: list) -> None:
         if header is Headers.DISPATCH_REQUEST:
-            self._add(*fields)
+            self._add(fields)
         elif header is Headers.DISPATCH_BATCH:
             for row in fields[0]:
-                self._add(*row)
+                self._add(row)
         elif header is Headers.ABORT_REQUEST:
             self.engine.abort(fields[0])
         elif header in CONTROL_HEADERS:
@@ -239,7 +255,9 @@ class EngineWorker:
         else:
             log.warning("engine rank %d: coordinator error: %s", self.rank, message)
 
-    def _add(self, rid, prompt, sp_bytes, hashes, resume_tokens, resume_log_probs, stream) -> None:
+    def _add(self, row: list) -> None:
+        """One DISPATCH row (rollout.protocol): a new request, or a resumed one with a checkpoint."""
+        rid, prompt, sp_bytes, hashes, resume_tokens, resume_log_probs, resume_versions, _ = row
         self.counters["requests"] += 1
         try:
             sp = SamplingParams.deserialize(unpack_obj(sp_bytes))
@@ -249,7 +267,9 @@ class EngineWorker:
                 else prompt
             )
             if resume_tokens:
-                record = self._resume_record(rid, tokens, sp, resume_tokens, resume_log_probs)
+                record = self._resume_record(
+                    rid, tokens, sp, resume_tokens, resume_log_probs, resume_versions
+                )
                 if record.requests[-1].remaining_tokens_to_generate <= 0:
                     self._send_replies([record])
                     return
@@ -269,8 +289,10 @@ class EngineWorker:
         hashes = unpack_hashes(packed)
         return hashes if len(hashes) == len(tokens) // self.block_size else None
 
-    def _resume_record(self, rid, tokens, sp, resume_tokens, resume_log_probs):
-        """A record that already holds what the lost engine streamed; the engine continues it."""
+    def _resume_record(self, rid, tokens, sp, resume_tokens, resume_log_probs, resume_versions):
+        """A record that already holds what the lost engine streamed, each token stamped with the
+        weight version that sampled it there (not ours: an update may have landed since, and
+        policy staleness is computed from these stamps); the engine continues it."""
         if isinstance(tokens, str):
             tokens = torch.tensor(self._tokenize(tokens), dtype=torch.int64)
         req = DynamicInferenceRequest(
@@ -279,9 +301,15 @@ class EngineWorker:
             prompt_tokens=tokens,
             block_size_tokens=self.block_size,
         )
-        lps = unpack_floats(resume_log_probs)
-        for i, t in enumerate(unpack_tokens_array(resume_tokens).tolist()):
-            req.append_token(t, lps[i] if i < len(lps) else None, None, self.weight_version)
+        ids = unpack_tokens_array(resume_tokens).tolist()
+        lps, versions = unpack_floats(resume_log_probs), unpack_versions(resume_versions)
+        if len(versions) != len(ids) or len(lps) not in (0, len(ids)):
+            raise ValueError(
+                f"resume checkpoint of request {rid} has {len(ids)} tokens but {len(lps)} "
+                f"log-probs and {len(versions)} weight versions"
+            )
+        for i, (t, v) in enumerate(zip(ids, versions, strict=True)):
+            req.append_token(t, lps[i] if lps else None, None, v)
         req.status = Status.ACTIVE_BUT_NOT_GENERATING_TOKENS
         if req.remaining_tokens_to_generate <= 0:
             req.status, req.stop_reason = Status.COMPLETED, "length"
@@ -330,7 +358,7 @@ class EngineWorker:
         until the weights are applied or refused); heartbeats keep flowing meanwhile."""
         done = threading.Event()
         out: dict = {}
-        load = _plain(self.engine.load())
+        load = self._load()
 
         def run() -> None:
             try:
@@ -351,13 +379,14 @@ class EngineWorker:
         self.counters["steps"] += 1
         if out.partials:
             rows = [
-                [rid, pack_tokens(toks), pack_floats(lps), None]
-                for rid, toks, lps in out.partials
+                [rid, pack_tokens(toks), pack_floats(lps), pack_versions(versions), None]
+                for rid, toks, lps, versions in out.partials
                 if rid in self.active
             ]
             if rows:
                 self.counters["partials"] += len(rows)
-                self._send(Headers.REPLY_PARTIAL, rows)
+                sizes = [len(r[1]) + len(r[2]) + len(r[3]) + ROW_OVERHEAD for r in rows]
+                self._send_rows(Headers.REPLY_PARTIAL, rows, sizes)
         if out.finished:
             self._send_replies(out.finished)
         evicted = self._pop_evicted()
@@ -375,9 +404,29 @@ class EngineWorker:
         for r in records:
             rid = r.request_id
             self.active.discard(rid)
-            rows.append([rid, r.to_bytes()])
+            blob = r.to_bytes()
+            if len(blob) + ROW_OVERHEAD + FRAME_OVERHEAD > self.max_frame_bytes:
+                # no frame can carry it: the request fails, saying why, instead of vanishing
+                blob = _failed_record(rid, ValueError(
+                    f"record of {len(blob)} bytes exceeds the coordinator's frame limit "
+                    f"(max_frame_bytes={self.max_frame_bytes})"
+                )).to_bytes()  # fmt: skip
+            rows.append([rid, blob])
         self.counters["replies"] += len(rows)
-        self._send(Headers.REPLY, rows)
+        self._send_rows(Headers.REPLY, rows, [len(b) + ROW_OVERHEAD for _, b in rows])
+
+    def _send_rows(self, header: Headers, rows: list[list], sizes: list[int]) -> None:
+        """`rows` in frames of at most MAX_BATCH_ROWS rows and half the coordinator's frame limit
+        (it drops the connection of a peer that sends more); a row bigger than that (checked
+        to fit the limit) goes alone."""
+        budget = self.max_frame_bytes // 2
+        start, total = 0, 0
+        for i, size in enumerate(sizes):
+            if i > start and (total + size > budget or i - start >= MAX_BATCH_ROWS):
+                self._send(header, rows[start:i])
+                start, total = i, 0
+            total += size
+        self._send(header, rows[start:])
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
@@ -393,7 +442,11 @@ class EngineWorker:
             self.exit_code = EXIT_COORDINATOR_LOST
             self.running = False
             return
-        self._send(Headers.HEARTBEAT, _plain(self.engine.load()))
+        self._send(Headers.HEARTBEAT, self._load())
+
+    def _load(self) -> dict:
+        """The heartbeat: the engine's load and this worker's weight version (label)."""
+        return {**_plain(self.engine.load()), "weight_version": self.weight_version}
 
     # ---- process entry ------------------------------------------------------------------
 
