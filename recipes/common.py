@@ -10,9 +10,11 @@ One RL step (colocated; async skips suspend/resume because the engine never stop
     -> manager.update_weights(model)  (the engine holds its own copy: this really syncs)
     -> log rollout/*, engine/*, weight_sync/*, staleness/*, train/*
 
-The model is trained from scratch with a short supervised warm start first, so GRPO starts from
-a non-zero reward; the rest of the improvement is RL. Outputs go beside the run (Hydra's output
-folder): the offline W&B run, reward.png, staleness.png and metrics.json.
+The model is trained from scratch with a supervised warm start first, on the task's
+demonstrations (imperfect in the default recipe: recipes/tasks.py), so GRPO starts from a non-zero
+reward. The evaluation before the first RL step and after the last (greedy, and sampled at the
+training temperature, on the same prompts) measures what RL added. Outputs go beside the run
+(Hydra's output folder): the offline W&B run, reward.png, staleness.png and metrics.json.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from rollout.samples import Sample, collate
 from trainer_hooks.losses import group_advantages, policy_loss, sequence_log_probs
 
 REWARD_KEYS = ("train/reward", "train/accuracy", "train/eval_reward", "train/eval_accuracy")
+SAMPLED_EVAL_N = 4  # samples per eval prompt for the sampled before/after evaluation
 STALENESS_KEYS = (
     "staleness/policy_mean",
     "staleness/policy_max",
@@ -106,15 +109,30 @@ def reward_fn(task: Any, tokenizer: Any):
 
 
 def evaluate(
-    manager: RolloutManager, items: list[dict[str, Any]], sp: Any, reward: Any
+    manager: RolloutManager,
+    items: list[dict[str, Any]],
+    sp: Any,
+    reward: Any,
+    n: int = 1,
+    name: str = "eval",
 ) -> dict[str, float]:
-    """Greedy decode of a fixed prompt set: mean reward and exact-answer accuracy."""
-    samples = manager.generate(items, n=1, sampling_params=sp)
+    """Decode a fixed prompt set (n samples each): mean reward and exact-answer accuracy."""
+    samples = manager.generate(items, n=n, sampling_params=sp)
     rewards = [reward(s) for s in samples]
     return {
-        "train/eval_reward": sum(rewards) / len(rewards),
-        "train/eval_accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
+        f"train/{name}_reward": sum(rewards) / len(rewards),
+        f"train/{name}_accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
     }
+
+
+def evaluate_all(
+    manager: RolloutManager, items: list[dict[str, Any]], greedy: Any, sp: Any, reward: Any
+) -> dict[str, float]:
+    """Greedy (train/eval_*) and sampled at the training temperature (train/eval_sampled_*,
+    SAMPLED_EVAL_N per prompt) on the same prompts: the before/after pair of a run."""
+    out = evaluate(manager, items, greedy, reward)
+    out.update(evaluate(manager, items, sp, reward, n=SAMPLED_EVAL_N, name="eval_sampled"))
+    return out
 
 
 def grpo_update(
@@ -284,9 +302,11 @@ def _train(
         manager.resume()
         resumed_at = time.perf_counter()
         metrics: dict[str, Any] = dict(sft) if step == 0 else {}
-        if run.recipe.eval_every and step % run.recipe.eval_every == 0:
+        if run.recipe.eval_every and step == 0:  # the warm start alone: greedy and sampled
+            first_eval = last_eval = evaluate_all(manager, eval_items, greedy, sp, reward)
+            metrics.update(first_eval)
+        elif run.recipe.eval_every and step % run.recipe.eval_every == 0:
             last_eval = evaluate(manager, eval_items, greedy, reward)
-            first_eval = first_eval or dict(last_eval)
             metrics.update(last_eval)
         tc = time.perf_counter()
         samples = manager.collect(source, r.prompts_per_step, r.samples_per_prompt, reward, sp)
@@ -327,9 +347,9 @@ def _train(
                        f"eval {metrics['train/eval_reward']:.3f}  "
                        f"eval_acc {metrics['train/eval_accuracy']:.3f}", file=sys.stderr)  # fmt: skip
     bar.close()
-    if run.recipe.eval_every:  # final greedy evaluation with the trained weights
+    if run.recipe.eval_every:  # final evaluation with the trained weights
         manager.resume()
-        last_eval = evaluate(manager, eval_items, greedy, reward)
+        last_eval = evaluate_all(manager, eval_items, greedy, sp, reward)
         if colocated:
             manager.suspend()
         logger.log(last_eval, step=t.steps)
@@ -339,13 +359,19 @@ def _train(
         "recipe": run.recipe.name,
         "mode": r.mode.value,
         "steps": len(steps),
-        "start_reward": sum(rewards[:k]) / k,
+        "start_reward": rewards[0] if rewards else None,  # step 0: warm-start weights only
         "end_reward": sum(rewards[-k:]) / k,
         "reward_window": k,
-        "start_eval_reward": first_eval.get("train/eval_reward"),
-        "end_eval_reward": last_eval.get("train/eval_reward"),
-        "start_eval_accuracy": first_eval.get("train/eval_accuracy"),
-        "end_eval_accuracy": last_eval.get("train/eval_accuracy"),
+        **{
+            f"{when}_{key}": ev.get(f"train/{key}")
+            for when, ev in (("start", first_eval), ("end", last_eval))
+            for key in (
+                "eval_reward",
+                "eval_accuracy",
+                "eval_sampled_reward",
+                "eval_sampled_accuracy",
+            )
+        },
         "final_version": manager.version,
     }
 
@@ -404,10 +430,14 @@ def sparkline(values: list[float], width: int = 60) -> str:
 def _print_summary(run: C.RunConfig, logger: Any, s: dict[str, Any]) -> None:
     _, rewards = logger.series("train/reward")
     print(f"[{s['recipe']}] reward curve (0..1): {sparkline(rewards)}")
-    print(f"[{s['recipe']}] sampled reward {s['start_reward']:.3f} -> {s['end_reward']:.3f} "
-          f"(mean of first/last {s['reward_window']} steps), {s['steps']} steps, {s['wall_s']:.0f} s")  # fmt: skip
+    print(f"[{s['recipe']}] training batches: reward {s['start_reward']:.3f} at step 0 -> "
+          f"{s['end_reward']:.3f} (mean of the last {s['reward_window']} steps), {s['steps']} steps, "
+          f"{s['wall_s']:.0f} s")  # fmt: skip
     if s.get("start_eval_reward") is not None:
-        print(f"[{s['recipe']}] greedy eval reward {s['start_eval_reward']:.3f} -> "
-              f"{s['end_eval_reward']:.3f}, exact {s['start_eval_accuracy']:.3f} -> "
-              f"{s['end_eval_accuracy']:.3f}")  # fmt: skip
+        print(f"[{s['recipe']}] greedy eval: exact match {s['start_eval_accuracy']:.3f} -> "
+              f"{s['end_eval_accuracy']:.3f}, reward {s['start_eval_reward']:.3f} -> "
+              f"{s['end_eval_reward']:.3f}")  # fmt: skip
+        print(f"[{s['recipe']}] sampled eval (T={run.rollout.temperature}, {SAMPLED_EVAL_N} per prompt): "
+              f"reward {s['start_eval_sampled_reward']:.3f} -> {s['end_eval_sampled_reward']:.3f}, "
+              f"exact {s['start_eval_sampled_accuracy']:.3f} -> {s['end_eval_sampled_accuracy']:.3f}")  # fmt: skip
     print(f"[{s['recipe']}] outputs: {s['out_dir']}")

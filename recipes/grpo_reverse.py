@@ -1,5 +1,8 @@
 """GRPO on "reverse a digit string", colocated: the embedded default (tiny model, CPU, one engine).
 
+The warm start imitates a demonstrator that reverses only 30% of the strings (it copies the rest),
+so greedy decoding starts near 0 exact matches; GRPO on the verifiable reward takes it to ~1.0.
+
     python -m recipes.grpo_reverse                          # the default run (W&B offline)
     python -m recipes.grpo_reverse trainer.steps=50 rollout.samples_per_prompt=4
     python -m recipes.grpo_reverse -m trainer.lr=1e-3,3e-3  # a Hydra multirun

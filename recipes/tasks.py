@@ -4,7 +4,10 @@
 - "add":     "12+34=" -> "46" (sum of two numbers with 1..max_digits digits).
 
 Each task samples prompts from a caller-owned `random.Random` (deterministic under a seed),
-scores completions with partial credit, and builds a supervised warm-start batch. The reward is
+scores completions with partial credit, and builds a supervised warm-start batch from a
+demonstrator's answers. The demonstrator can be imperfect (`ReverseTask(demo_accuracy=0.3)`: it
+reverses 30% of the strings and copies the rest unreversed), so imitation alone decodes the
+demonstrator's majority mistake greedily and only the verifiable reward can teach the task. The reward is
 shaped so that GRPO has a gradient from the first step: a completion earns credit for every
 correct leading character, counted over the whole answer (stopping early leaves the missing
 characters uncredited, exactly like wrong ones), the full 1.0 only for the exact answer followed by
@@ -71,6 +74,10 @@ class Task:
     def make_example(self, rng: random.Random) -> TaskExample:
         raise NotImplementedError
 
+    def demonstration(self, example: TaskExample, rng: random.Random) -> str:
+        """The warm start's target for `example`: the answer (a perfect demonstrator)."""
+        return example.answer
+
     # -- sampling ---------------------------------------------------------------------------------
     def sample_prompts(self, n: int, rng: random.Random | int) -> list[TaskExample]:
         """n examples drawn from `rng` (a `random.Random`, or an int seed)."""
@@ -117,16 +124,17 @@ class Task:
     def supervised_batch(
         self, n: int, rng: random.Random | int, tokenizer: Tokenizer
     ) -> dict[str, torch.Tensor]:
-        """Teacher-forcing batch: bos + prompt + answer + eos, right-padded with pad_id.
+        """Teacher-forcing batch: bos + prompt + demonstration + eos, right-padded with pad_id.
 
-        Returns `tokens` [n, T] int64, `loss_mask` [n, T] bool (True on the answer tokens and the
-        eos: the positions whose token the model must predict), `prompt_lens` [n]. The mask lines
-        up with `trainer_hooks.losses.sequence_log_probs(logits, tokens, loss_mask)`.
+        Returns `tokens` [n, T] int64, `loss_mask` [n, T] bool (True on the demonstration tokens
+        and the eos: the positions whose token the model must predict), `prompt_lens` [n]. The
+        mask lines up with `trainer_hooks.losses.sequence_log_probs(logits, tokens, loss_mask)`.
         """
+        rng = _as_rng(rng)
         seqs, masks, plens = [], [], []
         for ex in self.sample_prompts(n, rng):
             p = self.prompt_ids(ex, tokenizer)
-            a = [*tokenizer.encode(ex.answer, add_bos=False), tokenizer.eos_id]
+            a = [*tokenizer.encode(self.demonstration(ex, rng), add_bos=False), tokenizer.eos_id]
             seqs.append(p + a)
             masks.append([False] * len(p) + [True] * len(a))
             plens.append(len(p))
@@ -140,16 +148,25 @@ class Task:
 
 
 class ReverseTask(Task):
-    """Reverse a digit string: "1234>" -> "4321"."""
+    """Reverse a digit string: "1234>" -> "4321".
+
+    demo_accuracy: the share of warm-start demonstrations that reverse; the others copy the digits
+    in prompt order, the demonstrator's one systematic mistake (1.0: a perfect demonstrator).
+    """
 
     name = "reverse"
 
-    def __init__(self, min_len: int = 2, max_len: int = 5) -> None:
+    def __init__(self, min_len: int = 2, max_len: int = 5, demo_accuracy: float = 1.0) -> None:
         _check_int("min_len", min_len, 1)
         _check_int("max_len", max_len, 1)
         if max_len < min_len:
             raise ValueError(f"reverse: max_len ({max_len}) must be >= min_len ({min_len})")
+        if isinstance(demo_accuracy, bool) or not isinstance(demo_accuracy, (int, float)):
+            raise ValueError(f"demo_accuracy must be a number in [0, 1], got {demo_accuracy!r}")
+        if not 0.0 <= demo_accuracy <= 1.0:
+            raise ValueError(f"demo_accuracy must be in [0, 1], got {demo_accuracy!r}")
         self.min_len, self.max_len = min_len, max_len
+        self.demo_accuracy = float(demo_accuracy)
         self.max_prompt_chars = max_len + 1
         self.max_answer_chars = max_len
 
@@ -158,6 +175,12 @@ class ReverseTask(Task):
             rng.choice("0123456789") for _ in range(rng.randint(self.min_len, self.max_len))
         )
         return TaskExample(prompt=f"{digits}>", answer=digits[::-1])
+
+    def demonstration(self, example: TaskExample, rng: random.Random) -> str:
+        """The answer with probability demo_accuracy, else the digits unreversed."""
+        if self.demo_accuracy >= 1.0 or rng.random() < self.demo_accuracy:
+            return example.answer
+        return example.prompt[:-1]
 
 
 class AddTask(Task):

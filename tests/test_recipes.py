@@ -2,7 +2,7 @@
 
 The short runs check plumbing: an offline W&B run whose history holds every namespace, the
 resolved config, plots and metrics.json beside the run, weights really synced each step. The
-slow test checks that the default recipe learns.
+slow test (`pytest -m slow`) checks that RL beats the warm start in the recipes as shipped.
 """
 
 from __future__ import annotations
@@ -137,11 +137,12 @@ def test_ensure_override_and_sparkline():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_default_recipe_learns(tmp_path):
-    """The default colocated recipe (CPU, tiny model from scratch): reward clearly improves."""
-    summary = run_recipe(compose(["logger=disabled", f"logger.dir={tmp_path}"]))
-    # Sampled reward (the RL objective) from ~0.1 after the warm start to ~1.0; greedy decoding
-    # may already be good after the warm start, so it only has to end high.
-    assert summary["end_reward"] > summary["start_reward"] + 0.5, summary
-    assert summary["end_eval_reward"] >= 0.9, summary
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("recipe", ["grpo_reverse", "grpo_reverse_async"])
+def test_rl_beats_the_warm_start(recipe, tmp_path):
+    """The default recipes as shipped (seed 0): after the imperfect-demonstrator warm start greedy
+    decoding gets at most half the strings right; GRPO raises greedy exact match by >= 0.4."""
+    summary = run_recipe(compose([f"recipe={recipe}", "logger=disabled", f"logger.dir={tmp_path}"]))
+    assert summary["start_eval_accuracy"] <= 0.5, summary
+    assert summary["end_eval_accuracy"] >= summary["start_eval_accuracy"] + 0.4, summary
+    assert summary["end_reward"] >= summary["start_reward"] + 0.4, summary  # sampled, T=1

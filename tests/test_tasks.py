@@ -145,6 +145,32 @@ def test_supervised_batch_masks_only_answer_tokens(tok):
     assert tokens.shape[1] <= task.max_prompt_tokens + task.max_new_tokens
 
 
+def test_imperfect_demonstrator_reverses_only_its_share(tok):
+    """demo_accuracy of the warm-start targets reverse, the rest copy the digits unreversed; the
+    reward still asks for the reversal, so imitating the demonstrator is not solving the task."""
+    task = get_task("reverse", min_len=4, max_len=4, demo_accuracy=0.3)
+    rng = random.Random(5)
+    exs = task.sample_prompts(4000, rng)
+    demos = [task.demonstration(ex, rng) for ex in exs]
+    assert all(d in (ex.answer, ex.prompt[:-1]) for ex, d in zip(exs, demos, strict=True))
+    distinct = [(ex, d) for ex, d in zip(exs, demos, strict=True) if ex.answer != ex.prompt[:-1]]
+    share = sum(d == ex.answer for ex, d in distinct) / len(distinct)
+    assert 0.26 < share < 0.34, share  # binomial sd ~0.007
+    copied = next(ex for ex, d in distinct if d != ex.answer)
+    assert task.reward(copied.prompt[:-1], copied) < 1.0
+    batch = task.supervised_batch(64, random.Random(6), tok)
+    targets = {tok.decode(r[m].tolist()[:-1]) for r, m in zip(batch["tokens"], batch["loss_mask"], strict=True)}  # fmt: skip
+    prompts = {tok.decode(r[1:p].tolist()) for r, p in zip(batch["tokens"], batch["prompt_lens"], strict=True)}  # fmt: skip
+    assert targets & {p[:-1] for p in prompts}  # some targets are copies
+    assert targets & {p[:-1][::-1] for p in prompts}  # and some are reversals
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, "0.3", True, None])
+def test_demo_accuracy_is_a_probability(bad):
+    with pytest.raises(ValueError, match="demo_accuracy"):
+        get_task("reverse", demo_accuracy=bad)
+
+
 def test_registry_errors():
     with pytest.raises(ValueError, match=r"unknown task 'sort'.*add.*reverse"):
         get_task("sort")
