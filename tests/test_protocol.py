@@ -17,9 +17,11 @@ from rollout.protocol import (
     pack_floats,
     pack_hashes,
     pack_tokens,
+    pack_versions,
     unpack_floats,
     unpack_hashes,
     unpack_tokens,
+    unpack_versions,
 )
 
 # One valid example value per schema type, so every header gets a round trip.
@@ -170,6 +172,49 @@ def test_pack_hashes_and_floats():
     assert unpack_floats(pack_floats(torch.tensor(lp, dtype=torch.float32))) == [
         float(x) for x in np.asarray(lp, dtype=np.float32)
     ]
+
+
+def test_pack_versions_round_trips_int64():
+    vs = [0, 3, 2**62, -1, 10]
+    for src in (vs, tuple(vs), np.array(vs, dtype=np.int64), torch.tensor(vs)):
+        data = pack_versions(src)
+        assert len(data) == 8 * len(vs) and unpack_versions(data) == vs
+    assert unpack_versions(pack_versions([])) == []
+    with pytest.raises(ValueError, match="fit in int64"):
+        pack_versions([2**63])
+    with pytest.raises(ValueError, match="integers"):
+        pack_versions([1.0])
+    with pytest.raises(ProtocolError, match="not a multiple of 8"):
+        unpack_versions(b"\x00" * 12)
+
+
+def test_checkpoint_fields_are_checked():
+    """Re-dispatch rows carry the streamed checkpoint (tokens, log-probs, weight versions) and
+    partial rows the versions of their tokens, all as packed bytes: a list of ints is refused."""
+    row = [1, b"", b"\x80", b"", pack_tokens([5, 6]), pack_floats([-1.0, -2.0]),
+           pack_versions([0, 1]), False]  # fmt: skip
+    assert decode(encode(Headers.DISPATCH_REQUEST, *row))[1] == row
+    with pytest.raises(ProtocolError, match="field 'resume_weight_versions' must be bytes"):
+        encode(Headers.DISPATCH_REQUEST, *row[:6], [0, 1], False)
+    with pytest.raises(ProtocolError, match=r"requests\[0\]\.resume_weight_versions must be bytes"):
+        encode(Headers.DISPATCH_BATCH, [[*row[:6], [0, 1], False]])
+    with pytest.raises(ProtocolError, match="DISPATCH_REQUEST: expected 8 fields"):
+        encode(Headers.DISPATCH_REQUEST, *row[:6], False)  # a checkpoint without versions
+    partial = [3, pack_tokens([5]), b"", pack_versions([2]), None]
+    assert decode(encode(Headers.REPLY_PARTIAL, [partial]))[1] == [[partial]]
+    with pytest.raises(ProtocolError, match=r"partials\[0\]\.new_weight_versions must be bytes"):
+        encode(Headers.REPLY_PARTIAL, [[3, pack_tokens([5]), b"", [2], None]])
+    with pytest.raises(ProtocolError, match=r"partials\[0\] must be a list of 5"):
+        encode(Headers.REPLY_PARTIAL, [[3, pack_tokens([5]), b"", None]])
+
+
+def test_register_ack_carries_version_label_and_frame_limit():
+    ack = [4, 0.5, "RUNNING", 7, 1 << 20]
+    assert decode(encode(Headers.ENGINE_REGISTER_ACK, *ack))[1] == ack
+    with pytest.raises(ProtocolError, match="field 'weight_version' must be int, got NoneType"):
+        encode(Headers.ENGINE_REGISTER_ACK, 4, 0.5, "RUNNING", None, 1 << 20)
+    with pytest.raises(ProtocolError, match=r"expected 5 fields .*max_frame_bytes"):
+        decode(msgpack.packb([int(Headers.ENGINE_REGISTER_ACK), 4, 0.5, "RUNNING"]))
 
 
 # ---- fuzz: nothing but ProtocolError, ever --------------------------------------------------
