@@ -117,8 +117,8 @@ class Task:
         return self.max_answer_chars + 1
 
     def prompt_ids(self, example: TaskExample, tokenizer: Tokenizer) -> list[int]:
-        """bos (when the tokenizer has one) + the prompt's ids."""
-        return tokenizer.encode(example.prompt, add_bos=True)
+        """bos (when the tokenizer has one: Qwen2.5/Qwen3 have none) + the prompt's ids."""
+        return tokenizer.encode(example.prompt, add_bos=tokenizer.bos_id is not None)
 
     # -- supervised warm start --------------------------------------------------------------------
     def supervised_batch(

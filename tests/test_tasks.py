@@ -171,6 +171,27 @@ def test_demo_accuracy_is_a_probability(bad):
         get_task("reverse", demo_accuracy=bad)
 
 
+class _NoBosTokenizer(ByteTokenizer):
+    """A byte tokenizer without a bos token that refuses to add one (as a strict HF wrapper)."""
+
+    bos_id = None
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        if add_bos:
+            raise ValueError("add_bos=True but this tokenizer has no bos token")
+        return super().encode(text)
+
+
+def test_prompts_start_without_bos_when_the_tokenizer_has_none():
+    tok = _NoBosTokenizer()
+    task = ReverseTask(min_len=3, max_len=3, demo_accuracy=0.5)
+    ex = TaskExample("123>", "321")
+    assert task.prompt_ids(ex, tok) == tok.encode("123>")
+    batch = task.supervised_batch(8, random.Random(0), tok)
+    assert (batch["prompt_lens"] == 4).all()  # three digits and ">", nothing in front
+    assert 256 not in batch["tokens"].tolist()[0]
+
+
 def test_registry_errors():
     with pytest.raises(ValueError, match=r"unknown task 'sort'.*add.*reverse"):
         get_task("sort")
