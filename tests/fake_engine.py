@@ -254,6 +254,24 @@ class Harness:
         self.coord.stop()
 
 
+def wait_for(pred, timeout: float, what: str = "condition", poll_s: float = 0.02) -> None:
+    """Block until `pred()` (a cheap read of another thread's or process's state) is true; fail
+    after `timeout` seconds naming `what`. The synchronous twin of `wait_until`."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(poll_s)
+
+
+def reap(procs: list[Any], timeout: float = 5.0) -> None:
+    """Kill whatever test processes are still alive and join them all (a test's `finally`)."""
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(timeout)
+
+
 def _run_quietly(worker: Any) -> None:
     """Thread target: a refused registration ends the worker (the test checks it), no traceback."""
     try:

@@ -10,7 +10,7 @@ import signal
 import msgpack
 import pytest
 import zmq
-from fake_engine import Harness, expected_tokens, make_fake_engine, wait_until
+from fake_engine import Harness, expected_tokens, make_fake_engine, reap, wait_until
 
 from rollout.client import InferenceClient, RequestFailed
 from rollout.engine.worker import EngineWorker
@@ -66,10 +66,7 @@ async def test_sigkill_engine_mid_generation_then_all_dead():
         assert not h.coord.requests and not h.coord.orphans
         client.stop()
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
+        reap(procs)
         h.close()
 
 
@@ -239,8 +236,5 @@ async def test_a_request_that_kills_engines_is_failed_after_max_engine_crashes()
         assert c["failed_crashed_engines"] == 1 and c["redispatched"] == 1
         client.stop()
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
+        reap(procs)
         h.close()

@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from fake_engine import reap, wait_for
 
 from rollout import LLM, InferenceConfig, SamplingParams
 from rollout.engine.worker import EXIT_STALE_WEIGHTS
@@ -27,15 +28,6 @@ pytestmark = pytest.mark.timeout(240)
 SP = SamplingParams(temperature=0.0, num_tokens_to_generate=6, ignore_eos=True)
 PROMPTS = ["hello", "a longer prompt", [5, 6, 7, 8, 9], "xyz", "abc abc", [40, 41, 42]]
 FAST = {"heartbeat_s": 0.2, "engine_timeout_s": 1.0, "policy": "round_robin"}
-
-
-def wait_for(pred, timeout: float, what: str) -> None:
-    """Poll `pred` (a cheap state read) until true; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def _perturbed(model: torch.nn.Module, scale: float = 0.05) -> torch.nn.Module:
@@ -102,10 +94,7 @@ def test_supervisor_restarts_crashes_with_backoff_then_gives_up():
         assert ("restarted", 1) not in events
     finally:
         sup.stop()
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
+        reap(procs)
 
 
 def _sleep_forever() -> None:

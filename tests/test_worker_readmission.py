@@ -4,23 +4,13 @@ the service's lifecycle state before it takes work. Real coordinator and sockets
 
 from __future__ import annotations
 
-import time
-
 import pytest
-from fake_engine import FakeEngine, Harness, wait_until
+from fake_engine import FakeEngine, Harness, wait_for, wait_until
 
 from rollout.engine.worker import EngineWorker
 from rollout.protocol import Headers
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _wait(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("state", ["PAUSED", "SUSPENDED"])
@@ -31,18 +21,18 @@ async def test_forgotten_worker_ignores_stale_errors_and_adopts_state(state):
     worker = EngineWorker(engine, h.address, 0, auth_token=h.auth_token)
     try:
         worker.register()
-        _wait(lambda: len(h.coord.engines) == 1, 5, "registration")
+        wait_for(lambda: len(h.coord.engines) == 1, 5, "registration")
         await client.pause_engines()  # goes out after the engine froze: it never sees it
         if state == "SUSPENDED":
             await client.suspend_engines("recompute")
         # "frozen": no heartbeats; the coordinator forgets the engine after its timeout
-        _wait(lambda: not h.coord.engines, 10, "the coordinator forgetting the engine")
+        wait_for(lambda: not h.coord.engines, 10, "the coordinator forgetting the engine")
         # frames sent before the worker learns it was forgotten: each gets "unknown peer"
         worker._send(Headers.HEARTBEAT, {})
         worker._send(Headers.HEARTBEAT, {})
         worker.running = True
         # the first error -> register(); the second one arrives meanwhile and is stale
-        _wait(lambda: _drained(worker) and len(h.coord.engines) == 1, 5, "re-registration")
+        wait_for(lambda: _drained(worker) and len(h.coord.engines) == 1, 5, "re-registration")
         assert h.coord.counters["engines_registered"] == 2
         assert worker.paused
         assert (worker.suspended is not None) == (state == "SUSPENDED")
@@ -50,7 +40,7 @@ async def test_forgotten_worker_ignores_stale_errors_and_adopts_state(state):
         if state == "SUSPENDED":
             await client.resume_engines()
         await client.unpause_engines()
-        _wait(lambda: _drained(worker) and not worker.paused, 5, "unpause reaching the worker")
+        wait_for(lambda: _drained(worker) and not worker.paused, 5, "unpause reaching the worker")
         assert worker.suspended is None and engine.suspended is None
     finally:
         worker.running = False
@@ -89,7 +79,7 @@ async def test_rejoining_worker_adopts_a_relabel_it_missed(managed):
     worker.sync = _SyncStub() if managed else None
     try:
         worker.register()
-        _wait(lambda: len(h.coord.engines) == 1, 5, "registration")
+        wait_for(lambda: len(h.coord.engines) == 1, 5, "registration")
         worker.running = True
         relabel = client.set_weight_version(5)
         await wait_until(lambda: _drained(worker) and relabel.done(), 5, "the first relabel")
@@ -97,7 +87,7 @@ async def test_rejoining_worker_adopts_a_relabel_it_missed(managed):
         await wait_until(lambda: not h.coord.engines, 10, "the coordinator forgetting the engine")
         await client.set_weight_version(7)  # no live engine: the frozen one never sees it
         worker._send(Headers.HEARTBEAT, {})  # answered "unknown peer": it registers again
-        _wait(lambda: _drained(worker) and len(h.coord.engines) == 1, 5, "re-registration")
+        wait_for(lambda: _drained(worker) and len(h.coord.engines) == 1, 5, "re-registration")
         assert h.coord.counters["engines_registered"] == 2
         assert worker.weight_version == (0 if managed else 7)
         worker._next_hb = 0.0

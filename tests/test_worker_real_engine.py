@@ -8,7 +8,7 @@ import random
 import signal
 
 import pytest
-from fake_engine import Harness, wait_until
+from fake_engine import Harness, reap, wait_until
 
 from rollout.engine.worker import EngineWorker, build_engine
 from rollout.sampling import SamplingParams
@@ -76,8 +76,5 @@ async def test_200_mixed_requests_match_direct_mode_and_survive_sigkill():
         assert h.coord.counters["redispatched"] > 0
         client.stop()
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
+        reap(procs)
         h.close()
