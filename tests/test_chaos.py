@@ -303,7 +303,7 @@ class Chaos:
 
 
 def _segments(record) -> list[tuple]:
-    """A record's segments as (status, stop reason, tokens, event types): failure context."""
+    """A record's segments as (status, stop reason, tokens, events): failure context."""
     return [
         (
             r.status.name,
