@@ -118,6 +118,10 @@ class FakeEngine:
         self._finish(entry[0], "abort")
         return True
 
+    def discard(self, request_id: int) -> None:
+        self._active.pop(request_id, None)
+        self._done = [r for r in self._done if r.request_id != request_id]
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._active) or bool(self._done)
 

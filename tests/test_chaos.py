@@ -45,14 +45,6 @@ POOL = [
 ]  # fmt: skip
 GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=N_MAX, ignore_eos=True)
 HOSTILE = ("garbage", "bomb", "oversize", "flood", "client_bomb")
-# Known bug (EngineWorker._on_error, "unknown peer"): a worker the coordinator forgot (stopped
-# past engine_timeout_s) abort()s the requests it held and registers again, and the abort
-# records stay in its engine. The next step sends them as REPLYs, which the coordinator takes
-# as the answer of a request it had re-dispatched (the client gets a truncated "abort" result);
-# and a request re-dispatched to that engine (e.g. it is the only one) fails with "request_id N
-# is already in the engine". Fix: discard those requests (the engine's _discard: no record)
-# instead of aborting them. Remove these markers with it (the strict one will XPASS).
-FORGOTTEN_ENGINE_ABORTS = "a forgotten engine answers re-dispatched requests with its own aborts"
 
 
 def _corrupted(**fields) -> SamplingParams:
@@ -372,11 +364,11 @@ def run_chaos(seed: int, num_waves: int, kills: int, stops: int) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=True, reason=FORGOTTEN_ENGINE_ABORTS)
 @pytest.mark.parametrize("dp", [1, 2])
 def test_engine_stopped_past_the_timeout_leaves_nothing_stale(dp):
     """The engine holding a request is SIGSTOPped until the coordinator drops it and then
-    SIGCONTed: told it is unknown, it registers again. The request went to the other engine
+    SIGCONTed: told it is unknown, it forgets that request without a record (an abort record
+    would answer a request another engine now owns) and registers again. The request went to the other engine
     (dp=2) or waited for this one to come back (dp=1); either way it completes exactly."""
     model = build_model(ModelConfig.preset("tiny", vocab_size=259), seed=3).eval()
     sp = GREEDY.replace(num_tokens_to_generate=400)  # dp=2: the other engine is busy a while
@@ -412,7 +404,6 @@ def _seed(default: int) -> int:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.xfail(strict=False, reason=FORGOTTEN_ENGINE_ABORTS)  # when a stop hits in flight
 def test_chaos_healthy_traffic_is_exact_and_every_engine_ends_serving():
     """Five waves (each hostile attack once), one SIGKILL and one SIGSTOP."""
     run_chaos(_seed(11), num_waves=5, kills=1, stops=1)
@@ -420,7 +411,6 @@ def test_chaos_healthy_traffic_is_exact_and_every_engine_ends_serving():
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.xfail(strict=False, reason=FORGOTTEN_ENGINE_ABORTS)
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_chaos_long(seed):
     """Eight waves with two kills and two stops, per seed."""

@@ -307,8 +307,10 @@ class DynamicInferenceEngine:
         self._complete(seq, "abort")
         return True
 
-    def _discard(self, request_id: int) -> None:
-        """Forget a request without a record (its caller is gone); its blocks are freed."""
+    def discard(self, request_id: int) -> None:
+        """Forget a request without a record: its owner has given it to someone else (a
+        coordinator that re-dispatched it) or is gone, so no reply may ever come out of here.
+        Its blocks are freed."""
         seq = self._seqs.pop(request_id, None)
         if seq is not None:
             self.scheduler.remove(seq)
@@ -530,7 +532,7 @@ class DynamicInferenceEngine:
             return self._run_to_completion(ids)
         except BaseException:
             for rid in ids:
-                self._discard(rid)
+                self.discard(rid)
             raise
 
     def _run_to_completion(self, ids: list[int]) -> list[DynamicInferenceRequest]:

@@ -244,9 +244,10 @@ class EngineWorker:
     def _on_error(self, message: str) -> None:
         if message.startswith("unknown peer"):
             # The coordinator gave up on us (timeout) and re-dispatched our requests elsewhere:
-            # drop them here and join again with a clean slate.
+            # forget them without a record (an abort record would answer a request another
+            # engine now owns, or collide with it if it comes back here) and join again.
             for rid in list(self.active):
-                self.engine.abort(rid)
+                self.engine.discard(rid)
             self.active.clear()
             log.warning(
                 "engine rank %d was forgotten by the coordinator; re-registering", self.rank
