@@ -334,8 +334,11 @@ def test_async_thread_survives_a_failing_step(layer):
     with _manager(mode="async", max_inflight_groups=2) as m:
         eng = m.engine
 
+        def poisoned(seq) -> bool:  # the poison prompt, not a 99 some healthy sample generated
+            return seq.tokens[:2] == [99, 2]
+
         def poisoned_in_flight() -> bool:
-            return any(99 in s.tokens for s in [*eng.scheduler.running, *eng.scheduler.waiting])
+            return any(poisoned(s) for s in [*eng.scheduler.running, *eng.scheduler.waiting])
 
         if layer == "engine_step":
             step = eng.step
@@ -351,7 +354,7 @@ def test_async_thread_survives_a_failing_step(layer):
 
             def poisoned_schedule(version):
                 batch = schedule(version)
-                if any(99 in seq.tokens for seq, _ in batch):
+                if any(poisoned(seq) for seq, _ in batch):
                     raise OverflowError("poisoned step")
                 return batch
 
