@@ -716,6 +716,7 @@ def test_from_bytes_rejects_garbage(data):
         DynamicInferenceRequestRecord.from_bytes(data)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_tensors_round_trip_and_stay_on_device():
     r = make(tokens=torch.tensor([1, 2, 3], device="cuda"))
