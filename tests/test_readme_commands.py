@@ -68,6 +68,9 @@ SNIPPETS = {
 NOT_RUN = {
     "pip install hydra-submitit-launcher": "installs a package from the network",
     "rollout serve": "the command's name in prose; its synopsis and real runs are covered above",
+    "bash scripts/fetch_gpu_wheels.sh": "downloads wheels from the network",
+    "bash scripts/gpu_check.sh": "runs on the GPU machine; its CPU mode is tests/test_gpu_check.py",
+    "python scripts/gpu_check.py --device cpu": "tests/test_gpu_check.py runs it (~30 s; not twice)",
 }
 
 
