@@ -585,7 +585,9 @@ def _cluster_options(run: Any) -> dict[str, Any]:
                "backoff_s": c.restart_backoff_s, "backoff_max_s": c.restart_backoff_max_s}  # fmt: skip
     return {"coordinator": coordinator, "auth_token": resolve_token(c.token, c.token_file),
             "seed": run.recipe.seed, "restart": restart,
-            "weights_snapshot": getattr(c.weights_snapshot, "value", c.weights_snapshot)}  # fmt: skip
+            "weights_snapshot": getattr(c.weights_snapshot, "value", c.weights_snapshot),
+            "weight_sync_transport": getattr(c.weight_sync_transport, "value",
+                                             c.weight_sync_transport)}  # fmt: skip
 
 
 def _check_n(n: int) -> None:

@@ -35,6 +35,7 @@ LossType = _enum("LossType", "grpo", "ppo_clip")
 LossAgg = _enum("LossAgg", "token_mean", "seq_mean")
 WandbMode = _enum("WandbMode", "offline", "online", "disabled")
 WeightsSnapshot = _enum("WeightsSnapshot", "memory", "disk")
+WeightSyncTransport = _enum("WeightSyncTransport", "auto", "broadcast", "ipc")
 
 
 class ConfigError(ValueError):
@@ -96,6 +97,10 @@ class CoordinatorCfg:
     restart_backoff_s: float = 1.0
     restart_backoff_max_s: float = 30.0
     weights_snapshot: WeightsSnapshot = WeightsSnapshot.memory
+    # How update_weights reaches the engines (dp > 1): a process-group broadcast, or ipc (they
+    # map the trainer's packed weights: shared memory / CUDA IPC); auto = ipc when the trainer's
+    # weights sit on the engines' device (rollout.runtime.cluster AUTO_IPC_DEVICES).
+    weight_sync_transport: WeightSyncTransport = WeightSyncTransport.auto
 
 
 @dataclass

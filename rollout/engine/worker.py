@@ -505,12 +505,13 @@ class _NotMember(Exception):
 
 
 class _WorkerSync:
-    """Engine side of weight sync. Each update names its group *generation* and members (the
-    engines that were serving when it began) in the trainer's TCPStore; a member joins that
-    generation's group lazily on SET_WEIGHT_VERSION (rebuilt when the generation changes: after a
-    broken transfer or a change of members), a non-member declines. Weights are applied with
-    `engine.update_weights` only after the whole transfer verified on every rank (rollout.weights
-    two-phase commit)."""
+    """Engine side of weight sync. Each update names its *generation*, backend and members (the
+    engines that were serving when it began) in the trainer's TCPStore; a non-member declines.
+    Backend gloo/nccl: a member joins that generation's group lazily on SET_WEIGHT_VERSION
+    (rebuilt when the generation changes: after a broken transfer or a change of members) and
+    receives the broadcast (rollout.weights two-phase commit). Backend ipc: it maps the buckets
+    the trainer staged (payload in the store), verifies them all, then applies. Either way weights
+    are applied with `engine.update_weights` only after everything verified."""
 
     def __init__(self, engine: Any, info: dict):
         self.engine = engine
@@ -536,24 +537,31 @@ class _WorkerSync:
         store = self._store()
         return int(store.get(COMMITTED_KEY)) if store.check([COMMITTED_KEY]) else None
 
-    def _group(self) -> None:
-        import datetime
-
-        import torch.distributed as dist
-
+    def _generation(self) -> tuple[str, str, list[int]]:
+        """(generation key, backend, member ranks) of the update being sent; _NotMember if this
+        engine is not one of them."""
         from rollout.runtime import STORE_KEY
-        from rollout.weights import WeightReceiver
 
         gen = self._store().get(STORE_KEY).decode()
-        if gen == self.generation:
-            return
-        self.close_group()
         number, backend, members = gen.split(":")
-        ranks = [int(r) for r in members.split(",")]
+        ranks = [int(r) for r in members.split(",") if r]
         me = int(self.info["rank"])
         if me not in ranks:
             raise _NotMember(f"engine rank {me} is not a member of update group {number} "
                              f"(members {ranks})")  # fmt: skip
+        return gen, backend, ranks
+
+    def _group(self, gen: str, backend: str, ranks: list[int]) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        from rollout.weights import WeightReceiver
+
+        if gen == self.generation:
+            return
+        self.close_group()
+        number, me = gen.split(":")[0], int(self.info["rank"])
         dist.init_process_group(
             backend,
             store=dist.PrefixStore(f"rollout/weight_sync/{number}/", self.store),
@@ -570,9 +578,13 @@ class _WorkerSync:
         from rollout.weights import WeightSyncError, state_dict_checksum
 
         try:
-            self._group()
-            self.receiver.version = int(self.engine.weight_version)
-            result = self.receiver.receive()
+            gen, backend, ranks = self._generation()
+            if backend == "ipc":
+                result = self._receive_ipc(version)
+            else:
+                self._group(gen, backend, ranks)
+                self.receiver.version = int(self.engine.weight_version)
+                result = self.receiver.receive()
             if result.version != version:
                 raise WeightSyncError(f"received version {result.version}, announced {version}")
         except _NotMember as e:  # registered after the update began: the trainer retires us
@@ -588,6 +600,16 @@ class _WorkerSync:
         if self.report_checksum:
             info["checksum"] = state_dict_checksum(self.engine.model)
         return info
+
+    def _receive_ipc(self, version: int) -> Any:
+        """Map, verify and apply the buckets the trainer staged for `version` (same host)."""
+        from rollout.runtime.cluster import IPC_KEY
+        from rollout.weights.ipc import IpcReceiver
+
+        self.close_group()  # a group left from a broadcast update serves no purpose now
+        receiver = IpcReceiver(self.engine.model, apply_fn=self.engine.update_weights,
+                               version=int(self.engine.weight_version), allow_cast=True)  # fmt: skip
+        return receiver.receive(self._store().get(IPC_KEY), expected_version=version)
 
     def close_group(self) -> None:
         import torch.distributed as dist

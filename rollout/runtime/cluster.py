@@ -4,9 +4,10 @@ It spawns the coordinator and N `EngineWorker`s (spawn context), waits until eve
 registered, keeps a client on the loop, supervises the engines (`EngineSupervisor`: a dead one
 restarts from the last weights pushed, `WeightSnapshot`), pushes weights to the engines that are
 serving (`update_weights`: a SET_WEIGHT_VERSION control through the coordinator tells every worker
-to join the trainer's gloo/NCCL group for this update and receive a bucketed broadcast;
-`_TrainerSync` is the trainer's side of that group), and tears it all down: STOP, SHUTDOWN, join
-with timeouts, then SIGTERM/SIGKILL.
+to receive this version now, either by joining the trainer's gloo/NCCL group for a bucketed
+broadcast or, when they share the trainer's device, by mapping the buckets the trainer shared
+(rollout.weights.ipc); `_TrainerSync` is the trainer's side of both), and tears it all down: STOP,
+SHUTDOWN, join with timeouts, then SIGTERM/SIGKILL.
 """
 
 from __future__ import annotations
@@ -35,9 +36,14 @@ from rollout.runtime.processes import _coordinator_spawn, stop_processes
 from rollout.runtime.snapshot import WeightSnapshot
 from rollout.runtime.supervisor import EngineSupervisor, Event, RestartPolicy
 from rollout.weights import WeightSender, WeightSyncError, as_state_dict
+from rollout.weights.ipc import IpcSender
 from rollout.weights.rendezvous import LOOPBACK, open_store
 
 STORE_KEY = "rollout/weight_sync/generation"  # "<number>:<backend>:<member ranks, comma separated>"
+IPC_KEY = "rollout/weight_sync/ipc"  # the staged version's msgpack payload (backend "ipc")
+IPC = "ipc"
+TRANSPORTS = ("auto", "broadcast", IPC)
+AUTO_IPC_DEVICES = ("cuda", "cpu")  # where "auto" hands weights over by ipc (docs/internals.md)
 
 
 class EngineCluster:
@@ -48,8 +54,10 @@ class EngineCluster:
     engines (the trainer process becomes rank 0 of a group with the serving engines, created on
     first use and rebuilt when they change). `restart` (a RestartPolicy or its fields) says how
     dead engines come back; `weights_snapshot` ("memory" | "disk") where the last pushed weights
-    are kept for them (see rollout.runtime.snapshot for the memory cost). `on_event(kind, rank,
-    details)` hears of engine exits, restarts and give-ups (called on the supervisor thread).
+    are kept for them (see rollout.runtime.snapshot for the memory cost).
+    `weight_sync_transport`: "broadcast" (a process group), "ipc" (engines map the trainer's
+    buckets: same host, see rollout.weights.ipc) or "auto" (ipc for updates whose tensors sit on
+    the engines' CUDA device, broadcast otherwise). `on_event(kind, rank, details)` hears of engine exits, restarts and give-ups (called on the supervisor thread).
     `worker_options` are extra EngineWorker kwargs (e.g. coordinator_timeout_s).
     """
 
@@ -67,6 +75,7 @@ class EngineCluster:
         coordinator: Mapping[str, Any] | None = None,
         auth_token: str | None = None,
         weight_sync: bool = True,
+        weight_sync_transport: str = "auto",
         bucket_bytes: int = 64 << 20,
         ready_timeout_s: float = 120.0,
         sync_timeout_s: float = 60.0,
@@ -79,7 +88,11 @@ class EngineCluster:
     ) -> None:
         if isinstance(num_engines, bool) or not isinstance(num_engines, int) or num_engines < 1:
             raise ValueError(f"num_engines must be an int >= 1, got {num_engines!r}")
+        if weight_sync_transport not in TRANSPORTS:
+            raise ValueError(f"weight_sync_transport must be one of {TRANSPORTS}, "
+                             f"got {weight_sync_transport!r}")  # fmt: skip
         self.num_engines = num_engines
+        self.weight_sync_transport = weight_sync_transport
         self.auth_token = auth_token
         self.ready_timeout_s = ready_timeout_s
         self.sync_timeout_s = sync_timeout_s
@@ -140,7 +153,9 @@ class EngineCluster:
     def start_engines(self) -> list[mp.Process]:
 
         if self.weight_sync:
-            self.sync = _TrainerSync(self.bucket_bytes, self.sync_timeout_s)
+            device = torch.device(self.factory_kwargs.get("device") or "cpu")
+            self.sync = _TrainerSync(self.bucket_bytes, self.sync_timeout_s,
+                                     self.weight_sync_transport, device)  # fmt: skip
         for rank in range(self.num_engines):
             self.engine_processes.append(self._spawn_engine(rank, self.factory_kwargs))
         return self.engine_processes
@@ -279,26 +294,10 @@ class EngineCluster:
         members: list[tuple[int, int]],
         on_bucket: Any,
     ) -> dict[int, dict]:
-        sync = self.sync
-        sync.prepare(members)  # the generation key must be in the store before workers look
-        ack = self.loop.submit(self._control(lambda: self.client.set_weight_version(version)))
-        result = None
-        if members:
-            try:
-                result = sync.send(sd, version, on_bucket)
-            except BaseException as e:
-                broken = not isinstance(e, WeightSyncError) or e.transport_broken
-                if broken:  # rebuild the group next time (a new generation)
-                    sync.broken()
-                infos = _result(ack, self.sync_timeout_s)
-                if not isinstance(e, Exception):  # Ctrl-C / SystemExit: engines are safe, go on
-                    raise
-                raise WeightSyncError(
-                    f"weight update to version {version} failed ({e}); engines report "
-                    f"{ {r: i.get('weight_version') for r, i in infos.items()} }",
-                    transport_broken=broken,
-                ) from e
-        infos = _result(ack, self.sync_timeout_s)
+        def announce() -> concurrent.futures.Future:
+            return self.loop.submit(self._control(lambda: self.client.set_weight_version(version)))
+
+        infos, transport, seconds = self.sync.transfer(sd, version, members, on_bucket, announce)
         ranks = {r for r, _ in members}
         applied = {r: i for r, i in infos.items() if int(r) in ranks and "lost" not in i}
         bad = {r: i for r, i in applied.items() if i.get("weight_version") != version}
@@ -308,7 +307,7 @@ class EngineCluster:
         if len(sums) > 1:
             raise WeightSyncError(f"engines disagree on the weights of version {version}: {infos}")
         for i in applied.values():
-            i["sender_seconds"] = result.seconds if result is not None else 0.0
+            i["sender_seconds"], i["transport"] = seconds, transport
         return applied
 
     def _retire_stale(self, version: int) -> None:
@@ -381,33 +380,121 @@ def _icfg_dict(cfg: Any) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 
 
-class _TrainerSync:
-    """Rank 0 of the weight-sync group. A persistent TCPStore (created now, so its port can go
-    to the workers at spawn) hosts one rendezvous per group *generation*; a broken transfer
-    bumps the generation and the next update builds a fresh group without new ports."""
+Announce = Callable[[], concurrent.futures.Future]  # sends SET_WEIGHT_VERSION; the acks
 
-    def __init__(self, bucket_bytes: int, timeout_s: float) -> None:
+
+class _TrainerSync:
+    """The trainer's side of weight sync. A persistent TCPStore (created now, so its port can go
+    to the workers at spawn) names each update's *generation*: its backend ("gloo"/"nccl": rank 0
+    of a process group, one rendezvous per generation; "ipc": the staged payload under IPC_KEY)
+    and members. A broken transfer bumps the generation and the next update builds a fresh group
+    without new ports."""
+
+    def __init__(
+        self,
+        bucket_bytes: int,
+        timeout_s: float,
+        transport: str = "auto",
+        engine_device: torch.device | None = None,
+    ) -> None:
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
+        self.transport = transport
+        self.engine_device = _indexed(engine_device or torch.device("cpu"))
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.store = open_store(LOOPBACK, 0, timeout_s)  # loopback only: the store has no auth
         self.generation = 0
+        self.generation_backend: str | None = None
         self.members: list[tuple[int, int]] = []
         self.sender: WeightSender | None = None
+        self.ipc: IpcSender | None = None
+
+    def transport_for(self, sd: Mapping[str, torch.Tensor]) -> str:
+        """ "ipc" or "broadcast" for an update of `sd` (engines are this host's processes)."""
+        if self.transport != "auto":
+            return self.transport
+        devices = {_indexed(t.device) for t in sd.values()}
+        same = devices == {self.engine_device}
+        return IPC if same and self.engine_device.type in AUTO_IPC_DEVICES else "broadcast"
+
+    def transfer(
+        self,
+        sd: dict[str, torch.Tensor],
+        version: int,
+        members: list[tuple[int, int]],
+        on_bucket: Any,
+        announce: Announce,
+    ) -> tuple[dict[int, dict], str, float]:
+        """Hand `version` to `members`; returns every engine's ack, the transport and the
+        trainer's seconds. Raises WeightSyncError when the trainer's side failed."""
+        if self.transport_for(sd) == IPC:
+            infos, seconds = self._transfer_ipc(sd, version, members, on_bucket, announce)
+            return infos, IPC, seconds
+        infos, seconds = self._transfer_broadcast(sd, version, members, on_bucket, announce)
+        return infos, "broadcast", seconds
+
+    def _transfer_broadcast(self, sd, version, members, on_bucket, announce):
+        self.prepare(members, self.backend)  # in the store before workers look
+        ack = announce()
+        result = None
+        if members:
+            try:
+                result = self.send(sd, version, on_bucket)
+            except BaseException as e:
+                broken = not isinstance(e, WeightSyncError) or e.transport_broken
+                if broken:  # rebuild the group next time (a new generation)
+                    self.broken()
+                infos = _result(ack, self.timeout_s)
+                if not isinstance(e, Exception):  # Ctrl-C / SystemExit: engines are safe, go on
+                    raise
+                raise WeightSyncError(
+                    f"weight update to version {version} failed ({e}); engines report "
+                    f"{ {r: i.get('weight_version') for r, i in infos.items()} }",
+                    transport_broken=broken,
+                ) from e
+        return _result(ack, self.timeout_s), result.seconds if result is not None else 0.0
+
+    def _transfer_ipc(self, sd, version, members, on_bucket, announce):
+        """Stage the buckets and publish their handles before announcing; free them once every
+        member answered (kept for the next version only if none was lost: a lost one may still
+        be reading)."""
+        self.prepare(members, IPC)
+        t0 = time.perf_counter()
+        staged = None
+        if members:
+            if self.ipc is None:
+                self.ipc = IpcSender(self.bucket_bytes)
+            self.ipc.bucket_bytes = self.bucket_bytes
+            try:
+                staged = self.ipc.stage(sd, version, on_bucket)
+            except Exception as e:
+                raise WeightSyncError(f"weight update to version {version} failed before any "
+                                      f"engine saw it ({e}); every engine keeps its weights") from e  # fmt: skip
+            self.store.set(IPC_KEY, staged.payload)
+        answered = False
+        try:
+            infos = _result(announce(), self.timeout_s)
+            answered = not any("lost" in i for i in infos.values())
+        finally:
+            if staged is not None:
+                staged.release(reuse=answered)
+        return infos, time.perf_counter() - t0
 
     def worker_info(self, rank: int) -> dict[str, Any]:
         return {"host": LOOPBACK, "port": self.store.port, "rank": rank,
                 "timeout_s": self.timeout_s}  # fmt: skip
 
-    def prepare(self, members: list[tuple[int, int]]) -> None:
-        """Announce this update's group of (rank, pid) members: the same one again, or a new
-        generation when the last transfer broke or the serving engine processes changed."""
-        if self.sender is None or members != self.members:
+    def prepare(self, members: list[tuple[int, int]], backend: str) -> None:
+        """Announce this update's (rank, pid) members and backend: the same generation again, or
+        a new one when the last transfer broke, the serving engine processes or the backend
+        changed."""
+        group_gone = backend != IPC and self.sender is None
+        if group_gone or members != self.members or backend != self.generation_backend:
             self.broken()
             self.generation += 1
-            self.members = list(members)
+            self.members, self.generation_backend = list(members), backend
             ranks = ",".join(str(r) for r, _ in members)
-            self.store.set(STORE_KEY, f"{self.generation}:{self.backend}:{ranks}")
+            self.store.set(STORE_KEY, f"{self.generation}:{backend}:{ranks}")
 
     def commit(self, version: int) -> None:
         """Record `version` as what every serving engine holds (engines that register later
@@ -445,4 +532,13 @@ class _TrainerSync:
 
     def close(self) -> None:
         self.broken()
+        if self.ipc is not None:
+            self.ipc.close()
         self.store = None
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """`cuda` means the current device (index 0 in an engine process): compare with an index."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", 0)
+    return device
