@@ -152,7 +152,8 @@ def test_staleness_matches_oracle(tmp_path, dp, mode, kv_policy, suspend_mode, n
         stats = m.stats()
     seen = _check(tmp_path, got, history, bound)
     assert len(got) == 8, len(got)
-    if bound is None:
+    if bound is None and dp == 1:  # at dp > 1 engines run on until suspend: whether a request
+        # is still in flight at an update is timing (the kill test below forces one that is)
         assert seen["spans"] >= 1, seen  # partial rollouts crossed updates
     if kv_policy == "keep" and suspend_mode == "offload" and mode == "colocated":
         assert seen["kv_stale"] >= 1, seen  # KV kept across an update is counted
