@@ -8,6 +8,8 @@ import copy
 import itertools
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import msgpack
@@ -28,6 +30,7 @@ from rollout.weights.ipc import (
     IpcSender,
     benchmark_ipc_sync,
     plan_buckets,
+    remove_orphaned_segments,
 )
 
 pytestmark = pytest.mark.timeout(180)
@@ -224,6 +227,29 @@ def test_twenty_updates_leave_no_segment_or_mapping_behind(ctx):
     assert _segments(os.getpid()) == []
     version = m.update_weights(trainer)
     assert _versions(m) == {version}
+
+
+KILLED_TRAINER = """
+import os, signal, torch
+from rollout.weights.ipc import IpcSender
+sender = IpcSender()
+staged = sender.stage({"w": torch.ones(1024)}, version=1)  # held: SIGKILL comes before release
+print(os.getpid(), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_segments_of_a_killed_trainer_are_removed_by_the_next_sender():
+    """A SIGKILLed trainer runs no cleanup; the next sender on the machine removes its files
+    (they name a dead pid), and leaves live processes' files alone."""
+    out = subprocess.run([sys.executable, "-c", KILLED_TRAINER], capture_output=True, text=True)
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    dead = int(out.stdout.split()[0])
+    assert _segments(dead)  # left behind
+    ours = set(_segments(os.getpid()))  # other tests' clusters keep buckets for reuse
+    with IpcSender(reuse_cpu_buffers=False).stage({"w": torch.ones(8)}, version=1):
+        assert _segments(dead) == [] and set(_segments(os.getpid())) > ours
+    assert remove_orphaned_segments() == [] and set(_segments(os.getpid())) == ours
 
 
 def test_engine_killed_mid_sync_does_not_block_and_restarts_on_the_new_weights(ctx, monkeypatch):

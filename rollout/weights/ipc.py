@@ -184,6 +184,30 @@ class SharedWeights:
         self.release(reuse=exc[0] is None)
 
 
+def remove_orphaned_segments() -> list[str]:
+    """Remove the shared-memory files of trainers that died without cleaning up (SIGKILL, OOM):
+    each file names its creator's pid, and a dead pid's weights can never be read again."""
+    removed = []
+    for name in os.listdir(SHM_DIR):
+        if not name.startswith(SHM_PREFIX):
+            continue
+        pid = name[len(SHM_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            _remove(os.path.join(SHM_DIR, name))
+            removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
 class IpcSender:
     """Packs a state dict into shared buckets on the tensors' device (`device` overrides).
 
@@ -206,6 +230,7 @@ class IpcSender:
         bucket_checksum(torch.empty(0, dtype=torch.uint8), self.algo)  # validates the name
         self.device = torch.device(device) if device is not None else None
         self._pool: list[_ShmBuffer] | None = [] if reuse_cpu_buffers else None
+        remove_orphaned_segments()
 
     @torch.no_grad()
     def stage(
