@@ -72,7 +72,10 @@ class _LLMBase:
         auth_token: str | None = None,
         suspend_mode: str = "offload",
         seed: int = 0,
+        cluster_options: dict[str, Any] | None = None,
     ) -> None:
+        """`cluster_options` are further EngineCluster arguments in coordinator mode (e.g.
+        `restart={"max_restarts": 0}`, `weight_sync_transport="broadcast"`)."""
         self.use_coordinator = bool(use_coordinator)
         self.tokenizer = tokenizer
         self.suspend_mode = suspend_mode
@@ -88,10 +91,11 @@ class _LLMBase:
                 inference_config=inference_config,
                 coordinator=coordinator,
                 auth_token=auth_token,
+                **(cluster_options or {}),
             ).start()
             return
         extra = {"data_parallel_size": data_parallel_size != 1, "coordinator": coordinator,
-                 "auth_token": auth_token}  # fmt: skip
+                 "auth_token": auth_token, "cluster_options": cluster_options}  # fmt: skip
         if any(extra.values()):
             given = sorted(k for k, v in extra.items() if v)
             raise ValueError(f"{given} need use_coordinator=True")

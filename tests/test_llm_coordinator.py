@@ -107,6 +107,23 @@ def test_update_weights_reaches_every_engine(llm, model):
 def test_direct_mode_rejects_coordinator_arguments(model):
     with pytest.raises(ValueError, match="use_coordinator=True"):
         LLM(model, ByteTokenizer(), _icfg(), data_parallel_size=2)
+    with pytest.raises(ValueError, match="cluster_options"):
+        LLM(model, ByteTokenizer(), _icfg(), cluster_options={"restart": {"max_restarts": 0}})
+
+
+def test_cluster_options_reach_the_engine_cluster(model):
+    llm = LLM(model, ByteTokenizer(), _icfg(), use_coordinator=True,
+              cluster_options={"restart": {"max_restarts": 0},
+                               "weight_sync_transport": "broadcast"})  # fmt: skip
+    try:
+        cluster = llm._cluster
+        assert cluster.restart_policy.max_restarts == 0 and cluster.snapshot is None
+        assert cluster.weight_sync_transport == "broadcast"
+        assert [r.generated_tokens for r in llm.generate(PROMPTS[:1], SP)] == _direct(
+            model, PROMPTS[:1]
+        )
+    finally:
+        llm.shutdown()
 
 
 def test_async_llm_request_submitted_while_paused_completes_after_unpause(model):
