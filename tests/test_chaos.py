@@ -138,10 +138,10 @@ class Hostiles:
         """An authenticated peer's bomb: decoded, but the per-frame element budget stops it."""
         s = self._dealer()
         s.send(encode(Headers.CONNECT, self.token))
-        header, _ = decode(_recv(s))
+        header, _ = _reply(s)
         assert header is Headers.CONNECT_ACK
         s.send(b"\xdd" + struct.pack(">I", MB) + b"\xc0" * MB, copy=False)
-        header, fields = decode(_recv(s))
+        header, fields = _reply(s)
         assert header is Headers.ERROR and fields[2].startswith("malformed frame"), fields
         self._count("malformed")
         s.send(encode(Headers.DISCONNECT))
@@ -176,6 +176,14 @@ def _recv(s: zmq.Socket, timeout_ms: int = 30_000) -> bytes:
     if not s.poll(timeout_ms):
         raise TimeoutError("no reply from the coordinator")
     return s.recv()
+
+
+def _reply(s: zmq.Socket) -> tuple:
+    """The coordinator's next frame that is not a heartbeat (it heartbeats clients too)."""
+    while True:
+        header, fields = decode(_recv(s))
+        if header is not Headers.HEARTBEAT:
+            return header, fields
 
 
 def _reference(model) -> list[list[int]]:
