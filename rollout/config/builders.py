@@ -3,6 +3,7 @@ configs, the recipe's task, the metrics logger."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -15,9 +16,15 @@ from rollout.config.schema import HF_DIR, ConfigError, RunConfig
 
 
 def task_of(run: RunConfig) -> Any:
-    """The recipe's task object (recipes.tasks.get_task); ValueError for unknown names/kwargs."""
-    from recipes.tasks import get_task
-
+    """The recipe's task: `recipe.task_module`'s get_task(recipe.task, **recipe.task_kwargs);
+    None without a task module; ValueError for an unknown module, name or kwargs."""
+    module = run.recipe.task_module
+    if module is None:
+        return None
+    try:
+        get_task = importlib.import_module(module).get_task
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"recipe.task_module={module!r} has no get_task ({e})") from e
     return get_task(run.recipe.task, **dict(run.recipe.task_kwargs))
 
 

@@ -264,9 +264,10 @@ def _check_kv_capacity(run: RunConfig, errors: list[str]) -> None:
     """The KV pool must hold one max-length request, or that request can never finish."""
     e, r = run.engine, run.rollout
     try:
-        prompt = task_of(run).max_prompt_tokens
-    except ValueError:
-        prompt = 1
+        task = task_of(run)
+    except ValueError:  # reported by _check_recipe
+        task = None
+    prompt = 1 if task is None else task.max_prompt_tokens
     need = prompt + r.max_new_tokens
     _need(errors, need <= e.max_sequence_length,
           f"engine.max_sequence_length={e.max_sequence_length} is below the longest request: "

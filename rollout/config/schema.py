@@ -156,6 +156,9 @@ class LoggerCfg:
 @dataclass
 class RecipeCfg:
     name: str = "grpo_reverse"
+    # The module whose get_task(name, **kwargs) builds `task`, named in config (as Hydra names a
+    # _target_) so the library never imports the applications built on it; None = no task.
+    task_module: str | None = None
     task: str = "reverse"
     task_kwargs: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
