@@ -38,7 +38,6 @@ import torch
 from torch import nn
 
 from rollout.driver import EngineDriver
-from rollout.events import Status
 from rollout.metrics import staleness_summary
 from rollout.request import DynamicInferenceRequest
 from rollout.samples import Sample, collate, request_error
@@ -498,11 +497,10 @@ class RolloutManager(EngineDriver):
         tokens = None
         with contextlib.suppress(ValueError, TypeError):  # a prompt the engine could not take
             tokens = None if prompt is None or text is not None else torch.as_tensor(prompt)
-        req = DynamicInferenceRequest(rid, prompt=text, status=Status.FAILED)
+        req = DynamicInferenceRequest(rid, prompt=text)
         if tokens is not None and tokens.dim() == 1 and not tokens.is_floating_point():
             req.prompt_tokens = tokens.to(torch.int64)
-        req.add_event_error_nontransient(error)
-        req.add_event_fail()
+        req.mark_failed(error)
         return req
 
     def _on_request(self, req: DynamicInferenceRequest) -> None:

@@ -374,6 +374,13 @@ class DynamicInferenceRequest(InferenceRequest):
     def add_event_fail(self) -> None:
         self.add_event(DynamicInferenceEventType.FAIL)
 
+    def mark_failed(self, error: BaseException) -> None:
+        """FAILED, with the cause as a non-transient error event then a FAIL event: what every
+        failure path (engine, worker, coordinator client side, manager) records."""
+        self.status = Status.FAILED
+        self.add_event_error_nontransient(error)
+        self.add_event_fail()
+
     def _add_error(self, error: BaseException, transient: bool) -> None:
         payload = {"type": type(error).__name__, "message": str(error), "is_transient": transient}
         kind = ERROR_EVENT_TYPES[0] if transient else ERROR_EVENT_TYPES[1]

@@ -15,13 +15,13 @@ import itertools
 import json
 import os
 import signal
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import staleness_oracle as oracle
 import torch
+from fake_engine import wait_for
 
 from rollout.engine.worker import build_engine
 from rollout.manager import RolloutManager
@@ -74,19 +74,11 @@ def _manager(tmp_path, dp: int, mode: str, kv_policy: str, suspend_mode: str, nu
                           cluster_options=options, **common)  # fmt: skip
 
 
-def _wait_until(pred: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-
-
 def _records_in_transit(m: RolloutManager) -> None:
     """dp > 1: wait until an engine has finished a request the manager has not seen yet (its
     record sits in the ClusterEngine queue), so the update lands between finish and arrival."""
     if m.config.dp > 1 and m._requests:  # engines run on until suspend: in flight will finish
-        _wait_until(lambda: m.engine._results.qsize() > 0, 60, "a finished record in transit")
+        wait_for(lambda: m.engine._results.qsize() > 0, 60, "a finished record in transit")
 
 
 def _colocated(m: RolloutManager, history: list[int], steps: int) -> list:
@@ -199,7 +191,7 @@ def test_killed_engine_requests_are_redispatched_with_exact_staleness(tmp_path):
         def victim_streamed() -> bool:  # 4 sampled: the first 2-token partial has left it
             return any(4 <= n < long // 2 for n in _victim_progress(log).values())
 
-        _wait_until(victim_streamed, 60, "the victim streaming a request")
+        wait_for(victim_streamed, 60, "the victim streaming a request")
         history.append(m.update_weights(_weights(1)))  # engines apply it between steps
         os.kill(victim.pid, signal.SIGKILL)  # its requests carry tokens sampled at version 0
         before_kill = _victim_progress(log)

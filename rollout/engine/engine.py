@@ -276,9 +276,7 @@ class DynamicInferenceEngine:
 
     def _fail(self, record: DynamicInferenceRequestRecord, error: Exception) -> None:
         req = record.requests[-1]
-        req.status = Status.FAILED
-        req.add_event_error_nontransient(error)
-        req.add_event_fail()
+        req.mark_failed(error)
         req.latency = record.latency = time.time() - req.arrival_time
         req.staleness_version = self.weight_version  # what its staleness counters count from
         self.counters["requests_failed"] += 1

@@ -641,9 +641,7 @@ def _plain(d: dict) -> dict:
 
 def _failed_record(rid: int, error: Exception) -> DynamicInferenceRequestRecord:
     req = DynamicInferenceRequest(request_id=rid, prompt_tokens=torch.zeros(0, dtype=torch.int64))
-    req.status = Status.FAILED
-    req.add_event_error_nontransient(error)
-    req.add_event_fail()
+    req.mark_failed(error)
     return DynamicInferenceRequestRecord.from_request(req)
 
 
