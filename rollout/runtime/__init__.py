@@ -17,7 +17,7 @@ sync), `cluster_engine` (ClusterEngine: the engine surface RolloutManager drives
 
 from __future__ import annotations
 
-from rollout.runtime.cluster import STORE_KEY, CoordinatorRuntime, EngineCluster
+from rollout.runtime.cluster import CoordinatorRuntime, EngineCluster
 from rollout.runtime.cluster_engine import ClusterEngine
 from rollout.runtime.event_loop import EventLoopManager
 from rollout.runtime.model_source import PRESETS, model_source_kwargs
@@ -25,7 +25,6 @@ from rollout.runtime.processes import spawn_child, stop_processes
 
 __all__ = [
     "PRESETS",
-    "STORE_KEY",
     "ClusterEngine",
     "CoordinatorRuntime",
     "EngineCluster",

@@ -37,10 +37,14 @@ from rollout.runtime.snapshot import WeightSnapshot
 from rollout.runtime.supervisor import EngineSupervisor, Event, RestartPolicy
 from rollout.weights import WeightSender, WeightSyncError, as_state_dict
 from rollout.weights.ipc import IpcSender
-from rollout.weights.rendezvous import LOOPBACK, open_store
+from rollout.weights.rendezvous import (
+    COMMITTED_KEY,
+    GENERATION_KEY,
+    IPC_KEY,
+    LOOPBACK,
+    open_store,
+)
 
-STORE_KEY = "rollout/weight_sync/generation"  # "<number>:<backend>:<member ranks, comma separated>"
-IPC_KEY = "rollout/weight_sync/ipc"  # the staged version's msgpack payload (backend "ipc")
 IPC = "ipc"
 TRANSPORTS = ("auto", "broadcast", IPC)
 AUTO_IPC_DEVICES = ("cuda", "cpu")  # where "auto" hands weights over by ipc (docs/internals.md)
@@ -494,13 +498,11 @@ class _TrainerSync:
             self.generation += 1
             self.members, self.generation_backend = list(members), backend
             ranks = ",".join(str(r) for r, _ in members)
-            self.store.set(STORE_KEY, f"{self.generation}:{backend}:{ranks}")
+            self.store.set(GENERATION_KEY, f"{self.generation}:{backend}:{ranks}")
 
     def commit(self, version: int) -> None:
         """Record `version` as what every serving engine holds (engines that register later
         compare theirs with it)."""
-        from rollout.engine.worker import COMMITTED_KEY
-
         self.store.set(COMMITTED_KEY, str(version))
 
     def send(self, sd: dict[str, torch.Tensor], version: int, on_bucket: Any) -> Any:

@@ -16,6 +16,10 @@ import socket
 import torch.distributed as dist
 
 LOOPBACK = "127.0.0.1"
+# Keys the trainer writes and the engines read (rollout.runtime.cluster, rollout.weights.engine_sync)
+GENERATION_KEY = "rollout/weight_sync/generation"  # "<number>:<backend>:<member ranks, comma sep>"
+IPC_KEY = "rollout/weight_sync/ipc"  # the staged version's msgpack payload (backend "ipc")
+COMMITTED_KEY = "rollout/weight_sync/committed"  # the version last applied to every member
 
 
 def open_store(host: str = LOOPBACK, port: int = 0, timeout_s: float = 300.0) -> dist.TCPStore:
