@@ -206,3 +206,46 @@ def load_tokenizer(path: str | os.PathLike) -> ByteTokenizer | HFTokenizer:
         if extra not in eos_ids:
             eos_ids.append(extra)
     return HFTokenizer(tok, bos_id=resolve("bos"), eos_ids=eos_ids, pad_id=resolve("pad"))
+
+
+# -- adapters for any tokenizer: this module's API, with HF-style fallbacks (the engine's view) --
+def tokenize_with(tokenizer: Any, text: str, bos: bool) -> list[int]:
+    """Prompts get the tokenizer's BOS (when it has one); stop words never do."""
+    bos = bos and getattr(tokenizer, "bos_id", None) is not None
+    if hasattr(tokenizer, "tokenize"):
+        return list(tokenizer.tokenize(text, add_bos=bos))
+    return list(tokenizer.encode(text))
+
+
+def detokenize_with(tokenizer: Any, ids: list[int]) -> str | None:
+    """The text of `ids`. A tokenizer that raises for ids it does not know (e.g. an HF slow
+    tokenizer) is retried with those ids as U+FFFD; the token ids stay the truth."""
+    if tokenizer is None:
+        return None
+    fn = getattr(tokenizer, "detokenize", None) or getattr(tokenizer, "decode", None)
+    if fn is None:
+        return None
+    try:
+        return fn(ids)
+    except Exception:
+        size = (
+            len(tokenizer)
+            if hasattr(tokenizer, "__len__")
+            else getattr(tokenizer, "vocab_size", None)
+        )
+        if not isinstance(size, int) or all(0 <= i < size for i in ids):
+            raise
+        return decode_replacing_unknown(fn, ids, size)
+
+
+def eos_ids_of(tokenizer: Any, model_config: Any) -> frozenset[int]:
+    """The tokenizer's eos id(s), else the model config's."""
+    pairs = ((tokenizer, "eos_ids"), (tokenizer, "eos_id"), (tokenizer, "eos_token_id"),
+             (model_config, "eos_token_id"))  # fmt: skip
+    for source, name in pairs:
+        v = getattr(source, name, None) if source is not None else None
+        if isinstance(v, int) and not isinstance(v, bool):
+            return frozenset([v])
+        if isinstance(v, (list, tuple)) and v:
+            return frozenset(int(x) for x in v)
+    return frozenset()

@@ -41,7 +41,7 @@ from rollout.engine.sequence import Sequence, check_block_hashes
 from rollout.models.config import kv_bytes_per_block, kv_cache_shape
 from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord, Status
 from rollout.sampling import SamplingParams
-from rollout.tokenizers import decode_replacing_unknown
+from rollout.tokenizers import detokenize_with, eos_ids_of, tokenize_with
 
 Prompt = str | Seq[int] | torch.Tensor
 MAX_STEP_FAILURES_IN_A_ROW = 3  # then the device, not a request, is at fault
@@ -115,7 +115,7 @@ class DynamicInferenceEngine:
         self._done: list[DynamicInferenceRequestRecord] = []  # failed/aborted, out next step
         self._ids = itertools.count()
         self._seed_rng = int.from_bytes(os.urandom(8), "little")
-        self._eos = _eos_ids(tokenizer, self.model_config)
+        self._eos = eos_ids_of(tokenizer, self.model_config)
         self.counters = {"steps": 0, "tokens_generated": 0, "requests_finished": 0,
                          "requests_failed": 0, "request_faults": 0, "step_failures": 0,
                          "weight_updates": 0, "forward_time_s": 0.0}  # fmt: skip
@@ -190,7 +190,7 @@ class DynamicInferenceEngine:
             raise ValueError(f"tokenize takes a str, got {type(text).__name__}")
         if self.tokenizer is None:
             raise ValueError("this engine has no tokenizer: pass token-id prompts")
-        return _tokenize(self.tokenizer, text, bos=add_bos)
+        return tokenize_with(self.tokenizer, text, bos=add_bos)
 
     def pop_evicted_hashes(self) -> list[int]:
         """Block hashes that left this engine's prefix cache (LRU eviction, weight-update drops,
@@ -229,7 +229,7 @@ class DynamicInferenceEngine:
             if self.tokenizer is None:
                 raise RequestError("a str prompt needs a tokenizer")
             try:
-                ids = _tokenize(self.tokenizer, prompt, bos=True)
+                ids = tokenize_with(self.tokenizer, prompt, bos=True)
             except Exception as e:  # e.g. a lone surrogate: this prompt fails, not the batch
                 raise RequestError(f"prompt cannot be tokenized: {type(e).__name__}: {e}") from e
             return torch.tensor(ids, dtype=torch.int64)
@@ -288,7 +288,7 @@ class DynamicInferenceEngine:
         if self.tokenizer is None:
             raise RequestError("stop_words need a tokenizer")
         try:
-            words = [_tokenize(self.tokenizer, s, bos=False) for s in sp.stop_words]
+            words = [tokenize_with(self.tokenizer, s, bos=False) for s in sp.stop_words]
         except Exception as e:
             raise RequestError(f"stop_words cannot be tokenized: {type(e).__name__}: {e}") from e
         return [w for w in words if w]
@@ -480,7 +480,7 @@ class DynamicInferenceEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         record, req = seq.record, seq.request
-        text = _detokenize(self.tokenizer, seq.tokens[seq.first_prompt_len :])  # may raise
+        text = detokenize_with(self.tokenizer, seq.tokens[seq.first_prompt_len :])  # may raise
         req.stop_reason = reason
         req.status = Status.COMPLETED
         req.add_event_finish()
@@ -688,46 +688,3 @@ def _last_versions(record: DynamicInferenceRequestRecord, n: int) -> list[int]:
             break
         out[:0] = req.generated_weight_versions[-(n - len(out)) :]
     return out
-
-
-# -- tokenizer adapters (rollout.tokenizers API, with HF-style fallbacks) ----------------------
-def _tokenize(tokenizer: Any, text: str, bos: bool) -> list[int]:
-    """Prompts get the tokenizer's BOS (when it has one); stop words never do."""
-    bos = bos and getattr(tokenizer, "bos_id", None) is not None
-    if hasattr(tokenizer, "tokenize"):
-        return list(tokenizer.tokenize(text, add_bos=bos))
-    return list(tokenizer.encode(text))
-
-
-def _detokenize(tokenizer: Any, ids: list[int]) -> str | None:
-    """The text of `ids`. A tokenizer that raises for ids it does not know (e.g. an HF slow
-    tokenizer) is retried with those ids as U+FFFD; the token ids stay the truth."""
-    if tokenizer is None:
-        return None
-    fn = getattr(tokenizer, "detokenize", None) or getattr(tokenizer, "decode", None)
-    if fn is None:
-        return None
-    try:
-        return fn(ids)
-    except Exception:
-        size = (
-            len(tokenizer)
-            if hasattr(tokenizer, "__len__")
-            else getattr(tokenizer, "vocab_size", None)
-        )
-        if not isinstance(size, int) or all(0 <= i < size for i in ids):
-            raise
-        return decode_replacing_unknown(fn, ids, size)
-
-
-def _eos_ids(tokenizer: Any, model_config: Any) -> frozenset[int]:
-    """The tokenizer's eos id(s), else the model config's."""
-    pairs = ((tokenizer, "eos_ids"), (tokenizer, "eos_id"), (tokenizer, "eos_token_id"),
-             (model_config, "eos_token_id"))  # fmt: skip
-    for source, name in pairs:
-        v = getattr(source, name, None) if source is not None else None
-        if isinstance(v, int) and not isinstance(v, bool):
-            return frozenset([v])
-        if isinstance(v, (list, tuple)) and v:
-            return frozenset(int(x) for x in v)
-    return frozenset()

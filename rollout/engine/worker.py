@@ -57,6 +57,7 @@ from rollout.protocol import (
 )
 from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord, Status
 from rollout.sampling import SamplingParams
+from rollout.tokenizers import tokenize_with
 from rollout.weights.engine_sync import EngineWeightSync
 
 log = logging.getLogger(__name__)
@@ -322,11 +323,9 @@ class EngineWorker:
         tokenize = getattr(self.engine, "tokenize", None)
         if tokenize is not None:
             return list(tokenize(text))
-        from rollout.engine.engine import _tokenize  # same convention as engine.add_request
-
         if getattr(self.engine, "tokenizer", None) is None:
             raise ValueError("cannot resume a text prompt: the engine has no tokenizer")
-        return _tokenize(self.engine.tokenizer, text, bos=True)
+        return tokenize_with(self.engine.tokenizer, text, bos=True)  # as engine.add_request
 
     def _control(self, header: Headers, fields: list) -> None:
         seq, info = fields[0], {}
