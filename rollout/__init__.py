@@ -15,11 +15,11 @@ _EXPORTS = {
     "SamplingParams": "rollout.sampling",
     "InferenceConfig": "rollout.engine.config",
     "DynamicInferenceEngine": "rollout.engine.engine",
-    "DataParallelInferenceCoordinator": "rollout.coordinator",
-    "InferenceClient": "rollout.client",
+    "DataParallelInferenceCoordinator": "rollout.serving.coordinator",
+    "InferenceClient": "rollout.serving.client",
     "LLM": "rollout.llm",
     "AsyncLLM": "rollout.llm",
-    "RolloutManager": "rollout.manager",
+    "RolloutManager": "rollout.rl.manager",
 }
 
 __all__ = [
@@ -34,13 +34,13 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from rollout.client import InferenceClient
-    from rollout.coordinator import DataParallelInferenceCoordinator
     from rollout.engine.config import InferenceConfig
     from rollout.engine.engine import DynamicInferenceEngine
     from rollout.llm import LLM, AsyncLLM
-    from rollout.manager import RolloutManager
+    from rollout.rl.manager import RolloutManager
     from rollout.sampling import SamplingParams
+    from rollout.serving.client import InferenceClient
+    from rollout.serving.coordinator import DataParallelInferenceCoordinator
 
 
 def __getattr__(name: str) -> Any:

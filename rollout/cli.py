@@ -23,7 +23,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from rollout.coordinator.routing import POLICIES
+from rollout.serving.coordinator.routing import POLICIES
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -93,7 +93,7 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
 
 
 def _token(command: str, args: argparse.Namespace) -> str | None:
-    from rollout.auth import resolve_token
+    from rollout.serving.auth import resolve_token
 
     try:
         return resolve_token(token_file=args.auth_token_file)
@@ -102,7 +102,7 @@ def _token(command: str, args: argparse.Namespace) -> str | None:
 
 
 def engine(args: argparse.Namespace) -> int:
-    from rollout.engine.worker import EngineWorker, build_engine
+    from rollout.serving.worker import EngineWorker, build_engine
 
     if args.rank < 0:
         raise SystemExit(f"rollout engine: --rank must be >= 0, got {args.rank}")
@@ -145,7 +145,7 @@ def _write_token_file(token: str) -> Path:
 
 def _serve_token(args: argparse.Namespace) -> tuple[str | None, Path | None]:
     """(token, file written for it): --auth-token-file / environment, else a new one."""
-    from rollout.auth import new_token
+    from rollout.serving.auth import new_token
 
     if args.allow_unauthenticated:
         return None, None
@@ -179,7 +179,7 @@ class _EngineEvents:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from rollout.runtime import EngineCluster
+    from rollout.serving.cluster import EngineCluster
 
     _check_serve(args)
     token, token_file = _serve_token(args)

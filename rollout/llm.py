@@ -4,7 +4,7 @@ Direct mode (`use_coordinator=False`) drives a `DynamicInferenceEngine` in-proce
 runs `engine.step()` to completion, and lifecycle methods raise RuntimeError.
 
 Coordinator mode (`use_coordinator=True`) starts a coordinator and `data_parallel_size` engine
-processes (`rollout.runtime.EngineCluster`; every engine loads the same weights) and talks to
+processes (`rollout.serving.cluster.EngineCluster`; every engine loads the same weights) and talks to
 them through an `InferenceClient` on a background event loop (seed 002's event-loop manager +
 coordinator runtime). `generate` submits every prompt and gathers the records in input order;
 pause/unpause/suspend/resume resolve only when every engine acknowledged; `update_weights`
@@ -24,8 +24,8 @@ from torch import nn
 from rollout.engine.config import InferenceConfig
 from rollout.engine.engine import DynamicInferenceEngine
 from rollout.request import DynamicInferenceRequest
-from rollout.runtime import EngineCluster
 from rollout.sampling import SamplingParams
+from rollout.serving.cluster import EngineCluster
 
 PromptInput = str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]]
 

@@ -96,6 +96,8 @@ class Headers(IntEnum):
     SHUTDOWN = 81
 
 
+SUSPEND_MODES = ("persist", "offload", "recompute")  # SUSPEND's mode: what happens to the KV cache
+
 CONTROL_HEADERS = frozenset(
     {
         Headers.PAUSE,

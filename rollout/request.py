@@ -228,7 +228,7 @@ class DynamicInferenceRequest(InferenceRequest):
     how many weight updates the engine applied since the token was sampled / since its KV was
     computed, relative to the engine's weights `staleness_version` (stamped when the record
     leaves the engine; None = never stamped). The trainer-facing staleness is derived from these
-    at hand-out (rollout.staleness; definitions in docs/internals.md, "Staleness").
+    at hand-out (rollout.rl.staleness; definitions in docs/internals.md, "Staleness").
     """
 
     generated_weight_versions: list[int] = field(default_factory=list)

@@ -43,7 +43,6 @@ from rollout.config.checks import to_run_config, validate
 from rollout.config.schema import (
     GROUPS,
     HF_DIR,
-    MODEL_PRESETS,
     ConfigError,
     CoordinatorCfg,
     DType,
@@ -66,6 +65,7 @@ from rollout.config.schema import (
     WandbMode,
     register_configs,
 )
+from rollout.models.config import MODEL_PRESETS
 
 
 def _conf_dir() -> Path:

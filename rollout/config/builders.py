@@ -118,7 +118,7 @@ def manager_config(run: RunConfig, **changes: Any) -> Any:
     batches); true leaves the manager's default (2 x the batch) so a full batch leaves partial
     rollouts behind.
     """
-    from rollout.manager import RolloutManagerConfig
+    from rollout.rl.manager import RolloutManagerConfig
 
     r = run.rollout
     kwargs: dict[str, Any] = dict(

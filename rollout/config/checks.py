@@ -14,7 +14,6 @@ import torch
 from rollout.config.builders import kv_bytes_per_block, task_of
 from rollout.config.schema import (
     HF_DIR,
-    MODEL_PRESETS,
     ConfigError,
     KVPolicy,
     LossType,
@@ -22,6 +21,7 @@ from rollout.config.schema import (
     RunConfig,
     SuspendMode,
 )
+from rollout.models.config import MODEL_PRESETS
 
 
 def to_run_config(cfg: Any) -> RunConfig:

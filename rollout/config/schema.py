@@ -11,8 +11,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from rollout.engine.config import KV_POLICIES
+from rollout.protocol import SUSPEND_MODES
+from rollout.serving.coordinator.routing import POLICIES
+
 GROUPS = ("model", "engine", "coordinator", "rollout", "trainer", "logger", "recipe")
-MODEL_PRESETS = ("tiny", "small", "medium")
 HF_DIR = "hf_dir"
 
 
@@ -22,13 +25,11 @@ def _enum(name: str, *values: str) -> type[Enum]:
 
 
 DType = _enum("DType", "float32", "bfloat16", "float16")
-SuspendMode = _enum("SuspendMode", "persist", "offload", "recompute")
-RoutingPolicy = _enum(
-    "RoutingPolicy", "round_robin", "load_balanced", "first_prefix_block", "longest_prefix"
-)
+SuspendMode = _enum("SuspendMode", *SUSPEND_MODES)
+RoutingPolicy = _enum("RoutingPolicy", *POLICIES)
 RolloutMode = _enum("RolloutMode", "colocated", "async")
 StalePolicy = _enum("StalePolicy", "drop", "regenerate")
-KVPolicy = _enum("KVPolicy", "recompute", "keep")
+KVPolicy = _enum("KVPolicy", *KV_POLICIES)
 Optimizer = _enum("Optimizer", "adamw")
 LrSchedule = _enum("LrSchedule", "constant", "cosine")
 LossType = _enum("LossType", "grpo", "ppo_clip")
@@ -99,7 +100,7 @@ class CoordinatorCfg:
     weights_snapshot: WeightsSnapshot = WeightsSnapshot.memory
     # How update_weights reaches the engines (dp > 1): a process-group broadcast, or ipc (they
     # map the trainer's packed weights: shared memory / CUDA IPC); auto = ipc when the trainer's
-    # weights sit on the engines' device (rollout.runtime.cluster AUTO_IPC_DEVICES).
+    # weights sit on the engines' device (rollout.serving.cluster AUTO_IPC_DEVICES).
     weight_sync_transport: WeightSyncTransport = WeightSyncTransport.auto
 
 

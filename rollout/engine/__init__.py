@@ -1,8 +1,16 @@
-"""The inference engine: paged KV cache with prefix caching, continuous batching, sampling."""
+"""The inference engine, in-process only: paged KV cache with prefix caching, continuous batching,
+sampling. `interface` holds the contract every engine implements (`EngineProtocol`, `StepOutput`)."""
 
 from __future__ import annotations
 
 from rollout.engine.config import InferenceConfig
-from rollout.engine.engine import DynamicInferenceEngine, RequestError, StepOutput
+from rollout.engine.engine import DynamicInferenceEngine, RequestError
+from rollout.engine.interface import EngineProtocol, StepOutput
 
-__all__ = ["DynamicInferenceEngine", "InferenceConfig", "RequestError", "StepOutput"]
+__all__ = [
+    "DynamicInferenceEngine",
+    "EngineProtocol",
+    "InferenceConfig",
+    "RequestError",
+    "StepOutput",
+]

@@ -10,7 +10,6 @@ import torch
 
 KV_POLICIES = ("recompute", "keep")
 PREFIX_EVICTION = ("lru",)
-SUSPEND_MODES = ("persist", "offload", "recompute")
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,

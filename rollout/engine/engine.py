@@ -26,7 +26,6 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,11 +33,13 @@ from torch import nn
 
 from rollout.engine import sampler
 from rollout.engine.block_manager import NO_PARENT, BlockManager
-from rollout.engine.config import SUSPEND_MODES, InferenceConfig
+from rollout.engine.config import InferenceConfig
+from rollout.engine.interface import StepOutput
 from rollout.engine.model_runner import ModelRunner, prepare_batch
 from rollout.engine.scheduler import ScheduledBatch, Scheduler
 from rollout.engine.sequence import Sequence, check_block_hashes
 from rollout.models.config import kv_bytes_per_block, kv_cache_shape
+from rollout.protocol import SUSPEND_MODES
 from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord, Status
 from rollout.sampling import SamplingParams
 from rollout.tokenizers import detokenize_with, eos_ids_of, tokenize_with
@@ -58,16 +59,6 @@ class RequestFault(RuntimeError):
 
 class EngineBrokenError(RuntimeError):
     """Steps keep failing whatever requests they hold: the process should be restarted."""
-
-
-@dataclass
-class StepOutput:
-    """What one step produced: finished records and streaming partials
-    `(request_id, new_tokens, new_log_probs, new_weight_versions)` (log-probs empty unless
-    requested; the versions let another engine resume the request with exact staleness)."""
-
-    finished: list[DynamicInferenceRequestRecord] = field(default_factory=list)
-    partials: list[tuple[int, list[int], list[float], list[int]]] = field(default_factory=list)
 
 
 class DynamicInferenceEngine:

@@ -22,7 +22,7 @@ _CONSUMED_HF_KEYS = {"architectures", "model_type", "hidden_act", "rope_theta", 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 # name -> (hidden, intermediate, layers, heads, kv_heads, default vocab)
-_PRESETS: dict[str, tuple[int, int, int, int, int, int]] = {
+MODEL_PRESETS: dict[str, tuple[int, int, int, int, int, int]] = {
     "tiny": (64, 128, 2, 4, 2, 512),
     "small": (384, 1024, 10, 6, 2, 8192),  # ~19M params with the default vocab (tied)
     "medium": (768, 2048, 12, 12, 4, 32000),  # ~100M params with the default vocab (tied)
@@ -106,9 +106,9 @@ class ModelConfig:
     @classmethod
     def preset(cls, name: str, vocab_size: int | None = None, **overrides: Any) -> ModelConfig:
         """Llama configs for tests and recipes: "tiny" (CPU tests), "small" (~20M), "medium" (~100M)."""
-        if name not in _PRESETS:
-            raise ValueError(f"unknown preset {name!r}; use one of {sorted(_PRESETS)}")
-        h, i, n, heads, kvh, vocab = _PRESETS[name]
+        if name not in MODEL_PRESETS:
+            raise ValueError(f"unknown preset {name!r}; use one of {sorted(MODEL_PRESETS)}")
+        h, i, n, heads, kvh, vocab = MODEL_PRESETS[name]
         kwargs: dict[str, Any] = dict(
             vocab_size=vocab_size if vocab_size is not None else vocab,
             hidden_size=h,

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rollout.engine.worker import EXIT_STALE_WEIGHTS
+from rollout.serving.worker import EXIT_STALE_WEIGHTS
 
 log = logging.getLogger(__name__)
 

@@ -30,11 +30,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from rollout.runtime.event_loop import EventLoopManager
-from rollout.runtime.model_source import model_source_kwargs
-from rollout.runtime.processes import _coordinator_spawn, stop_processes
-from rollout.runtime.snapshot import WeightSnapshot
-from rollout.runtime.supervisor import EngineSupervisor, Event, RestartPolicy
+from rollout.serving.event_loop import EventLoopManager
+from rollout.serving.factory import model_source_kwargs
+from rollout.serving.processes import _coordinator_spawn, stop_processes
+from rollout.serving.supervisor import EngineSupervisor, Event, RestartPolicy
 from rollout.weights import WeightSender, WeightSyncError, as_state_dict
 from rollout.weights.ipc import IpcSender
 from rollout.weights.rendezvous import (
@@ -44,6 +43,7 @@ from rollout.weights.rendezvous import (
     LOOPBACK,
     open_store,
 )
+from rollout.weights.snapshot import WeightSnapshot
 
 IPC = "ipc"
 TRANSPORTS = ("auto", "broadcast", IPC)
@@ -58,7 +58,7 @@ class EngineCluster:
     engines (the trainer process becomes rank 0 of a group with the serving engines, created on
     first use and rebuilt when they change). `restart` (a RestartPolicy or its fields) says how
     dead engines come back; `weights_snapshot` ("memory" | "disk") where the last pushed weights
-    are kept for them (see rollout.runtime.snapshot for the memory cost).
+    are kept for them (see rollout.weights.snapshot for the memory cost).
     `weight_sync_transport`: "broadcast" (a process group), "ipc" (engines map the trainer's
     buckets: same host, see rollout.weights.ipc) or "auto" (ipc for updates whose tensors sit on
     the engines' CUDA device, broadcast otherwise). `on_event(kind, rank, details)` hears of engine exits, restarts and give-ups (called on the supervisor thread).
@@ -165,7 +165,7 @@ class EngineCluster:
         return self.engine_processes
 
     def _spawn_engine(self, rank: int, factory_kwargs: dict[str, Any]) -> mp.Process:
-        from rollout.engine.worker import EngineWorker, build_engine
+        from rollout.serving.worker import EngineWorker, build_engine
 
         wkw: dict[str, Any] = {**self.worker_options, "auth_token": self.auth_token}
         if self.sync is not None:
@@ -210,7 +210,7 @@ class EngineCluster:
 
     def wait_ready(self) -> None:
         """Connect the client, wait (STATS) until every engine registered, then supervise."""
-        from rollout.client import InferenceClient
+        from rollout.serving.client import InferenceClient
 
         self.loop.start()
 

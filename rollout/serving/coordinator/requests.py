@@ -11,10 +11,10 @@ import time
 
 import numpy as np
 
-from rollout.coordinator.peers import ClientPeer, EnginePeer, Pending
-from rollout.coordinator.routing import PREFIX_POLICIES, affinity_key
-from rollout.coordinator.state import CoordinatorState
 from rollout.protocol import Headers, batch_frames, encode, pack_hashes
+from rollout.serving.coordinator.peers import ClientPeer, EnginePeer, Pending
+from rollout.serving.coordinator.routing import PREFIX_POLICIES, affinity_key
+from rollout.serving.coordinator.state import CoordinatorState
 
 
 class RequestHandlers:

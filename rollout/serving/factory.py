@@ -9,9 +9,8 @@ from typing import Any
 
 from torch import nn
 
+from rollout.models.config import MODEL_PRESETS
 from rollout.weights import as_state_dict
-
-PRESETS = ("tiny", "small", "medium")
 
 
 def model_source_kwargs(
@@ -22,11 +21,11 @@ def model_source_kwargs(
     A preset name builds from `seed`; a directory is an HF checkpoint; a module or state_dict is
     saved once (HF layout) to a temp dir the engines load from.
     """
-    if isinstance(model, (str, os.PathLike)) and str(model) in PRESETS:
+    if isinstance(model, (str, os.PathLike)) and str(model) in MODEL_PRESETS:
         kw: dict[str, Any] = {"model": str(model), "seed": int(seed)}
     elif isinstance(model, (str, os.PathLike)):
         if not Path(model).is_dir():
-            raise ValueError(f"model must be a preset {PRESETS}, an HF directory or weights; "
+            raise ValueError(f"model must be a preset {MODEL_PRESETS}, an HF directory or weights; "
                              f"{str(model)!r} is neither")  # fmt: skip
         kw = {"model": str(model)}
     elif isinstance(model, (nn.Module, Mapping)):
@@ -60,13 +59,13 @@ def _tokenizer_source(tokenizer: Any, kw: dict, tmp: Callable[[], Path]) -> str 
     from rollout.tokenizers import ByteTokenizer
 
     if tokenizer is None:
-        return "byte" if kw["model"] in PRESETS else None  # None: the checkpoint's own
+        return "byte" if kw["model"] in MODEL_PRESETS else None  # None: the checkpoint's own
     if isinstance(tokenizer, (str, os.PathLike)):
         return str(tokenizer)
     if isinstance(tokenizer, ByteTokenizer):
         return "byte"
     inner = getattr(tokenizer, "_tok", None)  # HFTokenizer: write tokenizer.json beside config
-    if inner is not None and hasattr(inner, "save") and kw["model"] not in PRESETS:
+    if inner is not None and hasattr(inner, "save") and kw["model"] not in MODEL_PRESETS:
         path = Path(kw["model"])
         if not (path / "tokenizer.json").exists():
             inner.save(str(path / "tokenizer.json"))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rollout.coordinator.routing import POLICIES
 from rollout.protocol import MAX_FRAME_BYTES
+from rollout.serving.coordinator.routing import POLICIES
 
 
 @dataclass

@@ -6,7 +6,7 @@ engine's unfinished requests from their last streamed checkpoint so nothing is l
 only small headers and ids: prompts, sampling params and records pass through as opaque bytes.
 Bad input is counted and answered (or dropped), never fatal.
 
-Peers authenticate with a shared secret by default (rollout.auth); until a peer has, its frames
+Peers authenticate with a shared secret by default (rollout.serving.auth); until a peer has, its frames
 pass `Admission`, which drops anything but a small handshake undecoded and rate-limits refusals.
 """
 
@@ -24,33 +24,32 @@ from functools import partial
 
 import zmq
 
-from rollout.auth import new_token, resolve_token
-from rollout.coordinator.admission import Admission
-from rollout.coordinator.config import CoordinatorConfig
-from rollout.coordinator.peers import ClientPeer, EnginePeer, Pending, PendingControl
-from rollout.coordinator.requests import RequestHandlers
-from rollout.coordinator.routing import Router
-from rollout.coordinator.state import CoordinatorState, InvalidTransition, next_state
-from rollout.gc_tuning import freeze_startup_heap
 from rollout.protocol import (
     CONTROL_HEADERS,
+    SUSPEND_MODES,
     Headers,
     ProtocolError,
     decode,
     encode,
     unpack_hashes,
 )
+from rollout.serving.auth import new_token, resolve_token
+from rollout.serving.coordinator.admission import Admission
+from rollout.serving.coordinator.config import CoordinatorConfig
+from rollout.serving.coordinator.peers import ClientPeer, EnginePeer, Pending, PendingControl
+from rollout.serving.coordinator.requests import RequestHandlers
+from rollout.serving.coordinator.routing import Router
+from rollout.serving.coordinator.state import CoordinatorState, InvalidTransition, next_state
+from rollout.serving.gc_tuning import freeze_startup_heap
 
 log = logging.getLogger(__name__)
-
-SUSPEND_MODES = ("persist", "offload", "recompute")
 
 
 class DataParallelInferenceCoordinator(RequestHandlers):
     """The ROUTER. `start()` runs the loop until SHUTDOWN; `stop()` releases the socket.
 
     `auth_token` is the secret peers must present: the configured one, else one from the
-    environment (rollout.auth.resolve_token), else a generated one; None only with
+    environment (rollout.serving.auth.resolve_token), else a generated one; None only with
     `allow_unauthenticated=True`.
     """
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from rollout.coordinator.coordinator import CoordinatorConfig, DataParallelInferenceCoordinator
-from rollout.coordinator.routing import POLICIES, Router
-from rollout.coordinator.state import CoordinatorState, InvalidTransition
+from rollout.serving.coordinator.coordinator import (
+    CoordinatorConfig,
+    DataParallelInferenceCoordinator,
+)
+from rollout.serving.coordinator.routing import POLICIES, Router
+from rollout.serving.coordinator.state import CoordinatorState, InvalidTransition
 
 __all__ = [
     "POLICIES",

@@ -2,7 +2,7 @@
 
 A sample is cut from a merged request record when it is handed to the trainer. Staleness is
 counted in weight updates and is relative to the manager's weights at that moment; it is
-computed by `rollout.staleness.completion_staleness` (definitions: docs/internals.md,
+computed by `rollout.rl.staleness.completion_staleness` (definitions: docs/internals.md,
 "Staleness").
 """
 
@@ -17,7 +17,7 @@ import torch
 from rollout.request import DynamicInferenceEventType, DynamicInferenceRequest
 
 if TYPE_CHECKING:
-    from rollout.staleness import CompletionStaleness
+    from rollout.rl.staleness import CompletionStaleness
 
 
 @dataclasses.dataclass

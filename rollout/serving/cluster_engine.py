@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from rollout.runtime.cluster import EngineCluster
+from rollout.serving.cluster import EngineCluster
 
 
 class _StepOutput:
@@ -93,7 +93,7 @@ class ClusterEngine:
     def step(self) -> _StepOutput:
         import queue
 
-        from rollout.engine.worker import _failed_record
+        from rollout.serving.worker import _failed_record
 
         items = []
         with contextlib.suppress(queue.Empty):

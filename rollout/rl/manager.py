@@ -9,10 +9,10 @@ It owns the engine and hands the trainer finished GRPO groups. Two modes:
 - async: a background thread owns the engine and keeps generating while the trainer trains.
   Every call from the trainer (update_weights, suspend, ...) is a command the thread runs between
   two engine steps, so a weight swap can never land inside a forward pass (no sample mixes
-  versions within one token), and no lock can starve the trainer (`rollout.driver`).
+  versions within one token), and no lock can starve the trainer (`rollout.rl.driver`).
 
 Staleness is counted in weight updates and computed when a sample is handed out, from each
-token's own weight versions (`rollout.staleness`; definitions in docs/internals.md). `max_staleness`
+token's own weight versions (`rollout.rl.staleness`; definitions in docs/internals.md). `max_staleness`
 bounds every handed-out token's policy and KV staleness: stale groups are dropped whole
 (`stale_policy="drop"`; GRPO advantages need complete groups) or only their stale samples are
 re-sampled (`"regenerate"`). Both are counted in `stats()`.
@@ -37,12 +37,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from rollout.driver import EngineDriver
 from rollout.metrics import staleness_summary
+from rollout.protocol import SUSPEND_MODES
 from rollout.request import DynamicInferenceRequest
-from rollout.samples import Sample, collate, request_error
+from rollout.rl.driver import EngineDriver
+from rollout.rl.samples import Sample, collate, request_error
+from rollout.rl.staleness import Group, VersionHistory, hand_out, stale_indices
 from rollout.sampling import SamplingParams
-from rollout.staleness import Group, VersionHistory, hand_out, stale_indices
 from rollout.weights import as_state_dict, check_compatible
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,6 @@ __all__ = ["RolloutManager", "RolloutManagerConfig", "Sample", "collate"]
 
 MODES = ("colocated", "async")
 STALE_POLICIES = ("drop", "regenerate")
-SUSPEND_MODES = ("persist", "offload", "recompute")
 RewardFn = Callable[[Sample], Any]
 
 
@@ -168,7 +168,8 @@ class RolloutManager(EngineDriver):
 
     def _start_cluster(self, model: Any, tokenizer: Any, icfg: Any, options: Any) -> Any:
         """dp > 1: a coordinator and `dp` engine processes loading `model`'s weights."""
-        from rollout.runtime import ClusterEngine, EngineCluster
+        from rollout.serving.cluster import EngineCluster
+        from rollout.serving.cluster_engine import ClusterEngine
 
         if model is None:
             raise ValueError("RolloutManager with dp > 1 needs model= (module, state_dict, "
@@ -577,7 +578,7 @@ def _cluster_options(run: Any) -> dict[str, Any]:
         "deterministic": c.deterministic, "schedule_output_path": c.schedule_log,
         "block_size": run.engine.block_size,
     }  # fmt: skip
-    from rollout.auth import resolve_token
+    from rollout.serving.auth import resolve_token
 
     restart = {"max_restarts": c.max_restarts, "window_s": c.restart_window_s,
                "backoff_s": c.restart_backoff_s, "backoff_max_s": c.restart_backoff_max_s}  # fmt: skip

@@ -16,7 +16,7 @@ import dataclasses
 from typing import Any
 
 from rollout.request import DynamicInferenceRequest
-from rollout.samples import Sample, sample_from_request
+from rollout.rl.samples import Sample, sample_from_request
 from rollout.sampling import SamplingParams
 
 

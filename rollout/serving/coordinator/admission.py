@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-from rollout.auth import tokens_match
+from rollout.serving.auth import tokens_match
 
 MAX_HANDSHAKE_BYTES = 4096  # CONNECT / ENGINE_REGISTER with a token fit easily
 

@@ -11,7 +11,7 @@ other message flushes the queue first, so the coordinator sees everything in cal
 A submission that cannot be encoded is refused by `add_request` itself (ValueError) before it is
 queued; should a queued row still fail to encode, only its own future fails.
 
-The auth token comes from the argument, a file, or the environment (rollout.auth.resolve_token).
+The auth token comes from the argument, a file, or the environment (rollout.serving.auth.resolve_token).
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ from typing import Any
 
 import zmq
 
-from rollout.auth import resolve_token
-from rollout.gc_tuning import freeze_startup_heap
 from rollout.protocol import (
     CONTROL_HEADERS,
     Headers,
@@ -46,6 +44,8 @@ from rollout.protocol import (
 )
 from rollout.request import DynamicInferenceRequestRecord
 from rollout.sampling import SamplingParams
+from rollout.serving.auth import resolve_token
+from rollout.serving.gc_tuning import freeze_startup_heap
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class InferenceClient:
     ):
         """auth_token / auth_token_file: the coordinator's secret (else $ROLLOUT_AUTH_TOKEN or
         the file named by $ROLLOUT_AUTH_TOKEN_FILE). freeze_gc: move the objects alive at `start()` out of the cyclic GC's reach
-        (rollout.gc_tuning): full collections over torch's heap otherwise cost ~20 us per
+        (rollout.serving.gc_tuning): full collections over torch's heap otherwise cost ~20 us per
         request at high rates. Switch off if the process relies on collecting cycles that
         already exist when the client starts."""
         if handshake_timeout <= 0 or coordinator_timeout <= 0:

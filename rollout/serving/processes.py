@@ -45,7 +45,7 @@ def spawn_child(target: Callable[..., Any], args: tuple, name: str) -> mp.Proces
 def _coordinator_spawn(timeout: float, config: dict) -> tuple[mp.Process, str, str | None]:
     """DataParallelInferenceCoordinator.spawn, with the parent-death lifeline: (process,
     address, the auth token its peers must present)."""
-    from rollout.coordinator import DataParallelInferenceCoordinator
+    from rollout.serving.coordinator import DataParallelInferenceCoordinator
 
     parent, child = mp.get_context("spawn").Pipe(duplex=False)
     proc = spawn_child(

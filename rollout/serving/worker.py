@@ -36,7 +36,6 @@ import numpy as np
 import torch
 import zmq
 
-from rollout.gc_tuning import freeze_startup_heap
 from rollout.protocol import (
     CONTROL_HEADERS,
     MAX_BATCH_ROWS,
@@ -57,6 +56,7 @@ from rollout.protocol import (
 )
 from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord, Status
 from rollout.sampling import SamplingParams
+from rollout.serving.gc_tuning import freeze_startup_heap
 from rollout.tokenizers import tokenize_with
 from rollout.weights.engine_sync import EngineWeightSync
 
@@ -489,8 +489,8 @@ class EngineWorker:
         worker_kwargs: dict | None = None,
     ) -> mp.Process:
         """Start a worker in a spawned child process (the factory must be importable). The child
-        exits when this process dies (see rollout.runtime.spawn_child)."""
-        from rollout.runtime import spawn_child
+        exits when this process dies (see rollout.serving.processes.spawn_child)."""
+        from rollout.serving.processes import spawn_child
 
         return spawn_child(
             cls.entrypoint,
@@ -534,7 +534,7 @@ def build_engine(
     """Engine factory for worker processes: a preset ("tiny" | "small" | "medium": random weights
     seeded so every process gets identical ones) or an HF checkpoint directory. `tokenizer` is
     "byte", "none" (token-id prompts only), a tokenizer directory, or None (presets: byte;
-    checkpoints: the checkpoint's own). `weights_file` (a rollout.runtime.snapshot file) replaces
+    checkpoints: the checkpoint's own). `weights_file` (a rollout.weights.snapshot file) replaces
     the source's weights: a restarted engine starts from the last weights pushed."""
     from rollout.engine.config import InferenceConfig, resolve_dtype
     from rollout.engine.engine import DynamicInferenceEngine
@@ -555,7 +555,7 @@ def build_engine(
         net, _ = load_pretrained(model, device=device or "cpu", dtype=resolve_dtype(dtype))
     if weights_file is not None:
         from rollout.models import load_state_dict
-        from rollout.runtime.snapshot import load_snapshot
+        from rollout.weights.snapshot import load_snapshot
 
         load_state_dict(net, load_snapshot(weights_file), strict=True)
     cfg = InferenceConfig(device=device, dtype=dtype, **inference_config)

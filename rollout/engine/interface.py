@@ -1,0 +1,87 @@
+"""The one engine contract: what the RolloutManager, the engine worker and `LLM` drive.
+
+Three classes implement it: `DynamicInferenceEngine` (computes in this process),
+`serving.cluster_engine.ClusterEngine` (N engine processes behind a coordinator: `step()` waits
+for their records instead of computing) and the fake engine of the coordinator tests. Callers
+use these methods and attributes only, never `getattr` probes: a method one implementation has
+no use for is a cheap no-op there (`wake` in-process, `pop_evicted_hashes` over a cluster).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from rollout.request import DynamicInferenceRequestRecord
+from rollout.sampling import SamplingParams
+
+
+@dataclass
+class StepOutput:
+    """What one step produced: finished records and streaming partials
+    `(request_id, new_tokens, new_log_probs, new_weight_versions)` (log-probs empty unless
+    requested; the versions let another engine resume the request with exact staleness)."""
+
+    finished: list[DynamicInferenceRequestRecord] = field(default_factory=list)
+    partials: list[tuple[int, list[int], list[float], list[int]]] = field(default_factory=list)
+
+
+@runtime_checkable
+class EngineProtocol(Protocol):
+    """An inference engine driven one `step()` at a time by a single thread."""
+
+    weight_version: int  # the weights new tokens are sampled with
+    tokenizer: Any  # text prompts are tokenized with it (None: token-id prompts only)
+
+    def add_request(
+        self, request_id: int, prompt: Any, sampling_params: SamplingParams | None = None
+    ) -> int:
+        """Queue a request (text or token ids); raises ValueError for one that can never run."""
+        ...
+
+    def step(self) -> StepOutput:
+        """Advance every running request by one token (or wait for other processes to)."""
+        ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def abort(self, request_id: int) -> bool:
+        """Stop a request; its record comes out of a later step as FAILED."""
+        ...
+
+    def discard(self, request_id: int) -> None:
+        """Forget a request and free its memory; no record will come out."""
+        ...
+
+    def wake(self) -> None:
+        """Return a blocked `step()` early (work arrived from another thread)."""
+        ...
+
+    def suspend(self, mode: str) -> int:
+        """Free the KV memory ("persist", "offload" or "recompute"); returns bytes freed."""
+        ...
+
+    def resume(self) -> None: ...
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Swap to new weights (all-or-nothing) and account staleness of in-flight requests."""
+        ...
+
+    def load(self) -> dict[str, Any]:
+        """Queue depth and KV usage, for routing."""
+        ...
+
+    def pop_evicted_hashes(self) -> list[int]:
+        """Prefix-cache block hashes dropped since the last call (the router forgets them)."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for logging (a flat dict of numbers and short strings)."""
+        ...
+
+    def close(self) -> None:
+        """Release processes and memory; the engine is unusable afterwards."""
+        ...
