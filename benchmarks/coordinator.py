@@ -132,7 +132,7 @@ def bench_raw(name: str, n: int, window: int, n_engines: int) -> float:
 
 def bench_rollout(name: str, n: int, window: int, n_engines: int) -> dict[str, float]:
     """The coordinator alone (bare DEALER client), then through the asyncio InferenceClient."""
-    from rollout.client import InferenceClient
+    from rollout.serving.client import InferenceClient
 
     system = RolloutSystem(name, n_engines)
     try:
@@ -178,7 +178,7 @@ def bench_latency(name: str, n_lat: int, n_engines: int, mega: bool) -> dict[str
     """Round trips of one request at a time, the systems taking turns request by request, so
     each sees the same machine state (idle-CPU wake-ups on a VM swing a round trip by 4x
     between phases a few seconds apart; interleaving cancels that out of the ratios)."""
-    from rollout.client import InferenceClient
+    from rollout.serving.client import InferenceClient
 
     with contextlib.ExitStack() as stack:
         raw_sock, payload = stack.enter_context(raw_system(name, n_engines))

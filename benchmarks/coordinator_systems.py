@@ -221,9 +221,9 @@ class RolloutSystem:
     """Our coordinator + instant engines, and a bare DEALER client (handshake done)."""
 
     def __init__(self, name: str, n_engines: int):
-        from rollout.coordinator import DataParallelInferenceCoordinator
         from rollout.protocol import pack_obj, pack_tokens
         from rollout.sampling import SamplingParams
+        from rollout.serving.coordinator import DataParallelInferenceCoordinator
 
         prompt_len, self.gen = WORKLOADS[name]
         self.prompt = _prompt(prompt_len)

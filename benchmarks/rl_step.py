@@ -51,8 +51,8 @@ def _reward(sample) -> float:
 def run_rl(mode: str, groups: int, n: int, lengths: list[int], preset: str) -> dict:
     """Train on every prompt of `lengths` exactly once (same work in both modes) and time it."""
     from rollout.engine.config import InferenceConfig
-    from rollout.manager import RolloutManager
     from rollout.models import ModelConfig, build_model
+    from rollout.rl.manager import RolloutManager
     from trainer_hooks.loop import grpo_loss
 
     torch.manual_seed(0)

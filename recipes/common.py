@@ -36,9 +36,9 @@ from torch import nn
 from tqdm import tqdm
 
 from rollout import config as C
-from rollout.manager import RolloutManager
 from rollout.metrics import save_plot, staleness_summary
-from rollout.samples import Sample, collate
+from rollout.rl.manager import RolloutManager
+from rollout.rl.samples import Sample, collate
 from trainer_hooks.losses import group_advantages, policy_loss, sequence_log_probs
 
 REWARD_KEYS = ("train/reward", "train/accuracy", "train/eval_reward", "train/eval_accuracy")
@@ -209,7 +209,7 @@ def rollout_metrics(samples: list[Sample], collect_s: float, histograms: bool) -
     mean = sum(rewards) / len(rewards)
     out: dict[str, Any] = {
         "rollout/collect_s": collect_s,  # time the trainer waited for the batch
-        "rollout/samples": len(samples),
+        "rollout/rl/samples": len(samples),
         "rollout/completion_len_mean": n_tok / len(samples),
         "rollout/completion_len_max": max(lens),
         "rollout/prompt_len_mean": sum(len(s.prompt_tokens) for s in samples) / len(samples),

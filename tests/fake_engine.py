@@ -207,7 +207,7 @@ class Harness:
     def __init__(self, **coordinator_config: Any):
         import threading
 
-        from rollout.coordinator import DataParallelInferenceCoordinator
+        from rollout.serving.coordinator import DataParallelInferenceCoordinator
 
         cfg = {"heartbeat_s": 0.1, "engine_timeout_s": 1.0, "engine_wait_s": 1.0}
         cfg.update(coordinator_config)
@@ -221,7 +221,7 @@ class Harness:
         self.threads: list[Any] = []
 
     def add_engine(self, rank: int, auth_token: Any = _HARNESS_TOKEN, **fake: Any):
-        from rollout.engine.worker import EngineWorker
+        from rollout.serving.worker import EngineWorker
 
         if auth_token is _HARNESS_TOKEN:
             auth_token = self.auth_token
@@ -236,7 +236,7 @@ class Harness:
 
     async def client(self, **kw: Any):
         """A started InferenceClient holding this harness's token (unless given another)."""
-        from rollout.client import InferenceClient
+        from rollout.serving.client import InferenceClient
 
         kw.setdefault("auth_token", self.auth_token)
         return await InferenceClient(self.address, **kw).start()

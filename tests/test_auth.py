@@ -1,10 +1,10 @@
-"""rollout.auth: where a token comes from, and how it is compared."""
+"""rollout.serving.auth: where a token comes from, and how it is compared."""
 
 from __future__ import annotations
 
 import pytest
 
-from rollout.auth import (
+from rollout.serving.auth import (
     ENV_TOKEN,
     ENV_TOKEN_FILE,
     new_token,
@@ -12,7 +12,7 @@ from rollout.auth import (
     resolve_token,
     tokens_match,
 )
-from rollout.coordinator import CoordinatorConfig, DataParallelInferenceCoordinator
+from rollout.serving.coordinator import CoordinatorConfig, DataParallelInferenceCoordinator
 
 
 @pytest.fixture(autouse=True)

@@ -29,7 +29,7 @@ from rollout import LLM, InferenceConfig, SamplingParams
 from rollout.models import ModelConfig, build_model
 from rollout.protocol import Headers, decode, encode
 from rollout.request import Status
-from rollout.runtime import EngineCluster
+from rollout.serving.cluster import EngineCluster
 from rollout.tokenizers import ByteTokenizer
 
 MB = 1 << 20

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from rollout.cli import build_parser
-from rollout.client import InferenceClient
 from rollout.sampling import SamplingParams
+from rollout.serving.client import InferenceClient
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,9 +8,9 @@ import asyncio
 import pytest
 from fake_engine import Harness, expected_tokens
 
-from rollout.client import ClientStopped, InferenceClient, RequestFailed
 from rollout.protocol import Headers, ProtocolError, decode, encode, pack_tokens
 from rollout.sampling import SamplingParams
+from rollout.serving.client import ClientStopped, InferenceClient, RequestFailed
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -112,7 +112,7 @@ def test_pack_tokens_fast_path_matches_numpy_and_rejects_the_same_input():
 
 
 async def test_start_freezes_the_startup_heap_unless_told_not_to(harness):
-    """Objects alive at start() leave the cyclic GC's reach (rollout.gc_tuning); opt-out works."""
+    """Objects alive at start() leave the cyclic GC's reach (rollout.serving.gc_tuning); opt-out works."""
     import gc
 
     gc.unfreeze()

@@ -6,9 +6,9 @@ import json
 import pytest
 from fake_engine import Harness, expected_tokens
 
-from rollout.client import ControlError, InferenceClient, Partial, RequestFailed
 from rollout.request import DynamicInferenceRequestRecord
 from rollout.sampling import SamplingParams
+from rollout.serving.client import ControlError, InferenceClient, Partial, RequestFailed
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -190,7 +190,7 @@ async def test_client_stop_fails_pending_futures(harness):
     await client.pause_engines()
     fut = client.add_request([1], SamplingParams(num_tokens_to_generate=2))
     client.stop()
-    from rollout.client import ClientStopped
+    from rollout.serving.client import ClientStopped
 
     with pytest.raises(ClientStopped, match="client stopped"):
         await fut

@@ -9,7 +9,6 @@ import pytest
 import zmq
 from fake_engine import Harness, wait_until
 
-from rollout.client import Partial
 from rollout.protocol import (
     Headers,
     decode,
@@ -22,6 +21,7 @@ from rollout.protocol import (
     unpack_versions,
 )
 from rollout.sampling import SamplingParams
+from rollout.serving.client import Partial
 
 pytestmark = pytest.mark.timeout(60)
 

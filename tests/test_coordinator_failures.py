@@ -12,10 +12,10 @@ import pytest
 import zmq
 from fake_engine import Harness, expected_tokens, make_fake_engine, reap, wait_until
 
-from rollout.client import InferenceClient, RequestFailed
-from rollout.engine.worker import EngineWorker
 from rollout.protocol import ProtocolError, decode
 from rollout.sampling import SamplingParams
+from rollout.serving.client import InferenceClient, RequestFailed
+from rollout.serving.worker import EngineWorker
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -15,11 +15,11 @@ import pytest
 import zmq
 from fake_engine import Harness, expected_tokens, make_fake_engine, wait_until
 
-from rollout.client import InferenceClient
-from rollout.coordinator import DataParallelInferenceCoordinator
-from rollout.engine.worker import EngineWorker
 from rollout.protocol import Headers, decode, encode
 from rollout.sampling import SamplingParams
+from rollout.serving.client import InferenceClient
+from rollout.serving.coordinator import DataParallelInferenceCoordinator
+from rollout.serving.worker import EngineWorker
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -241,10 +241,10 @@ def test_grpo_step_on_real_rollouts():
         model_config,
         sampling_params,
     )
-    from rollout.manager import RolloutManager
     from rollout.metrics import check_keys, staleness_summary
     from rollout.models import build_model
-    from rollout.samples import collate
+    from rollout.rl.manager import RolloutManager
+    from rollout.rl.samples import collate
     from rollout.tokenizers import ByteTokenizer
 
     run = load_config(["rollout.samples_per_prompt=4", "rollout.max_new_tokens=6"])

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from rollout.engine.config import InferenceConfig
-from rollout.manager import RolloutManager
 from rollout.models import ModelConfig, build_model
-from rollout.samples import collate
+from rollout.rl.manager import RolloutManager
+from rollout.rl.samples import collate
 from rollout.sampling import SamplingParams
 
 CFG = ModelConfig.preset("tiny", vocab_size=128)

@@ -12,8 +12,8 @@ import torch
 
 from rollout import config as C
 from rollout.engine.engine import DynamicInferenceEngine
-from rollout.manager import RolloutManager
-from rollout.samples import _token_times
+from rollout.rl.manager import RolloutManager
+from rollout.rl.samples import _token_times
 from rollout.sampling import SamplingParams
 from rollout.weights import WeightSyncError, state_dict_checksum
 

@@ -163,8 +163,8 @@ def test_timer_and_counter_accumulate_and_reset():
         th.start()
     for th in threads:
         th.join()
-    c.add("rollout/samples", 3)
-    assert c.summary(reset=True) == {"rollout/tokens": 4000.0, "rollout/samples": 3.0}
+    c.add("rollout/rl/samples", 3)
+    assert c.summary(reset=True) == {"rollout/tokens": 4000.0, "rollout/rl/samples": 3.0}
     assert c.get("rollout/tokens") == 0.0
 
 

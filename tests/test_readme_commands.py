@@ -25,10 +25,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout.client import InferenceClient
 from rollout.config import ConfigError, compose, validate
 from rollout.metrics import NAMESPACES
 from rollout.sampling import SamplingParams
+from rollout.serving.client import InferenceClient
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -475,7 +475,7 @@ def test_trainer_snippet():
 
     from rollout import InferenceConfig
     from rollout.models import ModelConfig, build_model
-    from rollout.samples import collate
+    from rollout.rl.samples import collate
     from rollout.tokenizers import ByteTokenizer
     from trainer_hooks.losses import sequence_log_probs
 

@@ -53,7 +53,7 @@ def test_colocated_recipe_writes_offline_wandb_run(tmp_path):
         assert row["staleness/policy_hist"]["_type"] == "histogram"
         # Batch-level staleness: the max bounds every percentile of the same tokens.
         assert row["staleness/policy_max"] >= row["staleness/policy_p99"] >= 0
-        assert row["rollout/samples"] == 8 and 0.0 <= row["train/reward"] <= 1.0
+        assert row["rollout/rl/samples"] == 8 and 0.0 <= row["train/reward"] <= 1.0
     assert [r["rollout/version"] for r in rows] == [1, 2, 3]
     assert rows[0]["train/eval_reward"] >= 0.0 and "train/sft_loss" in rows[0]
     assert any("train/eval_reward" in r for r in run["history"] if r["_step"] == 3)  # final eval

@@ -4,10 +4,10 @@ import random
 
 import pytest
 
-from rollout.coordinator.routing import Router
-from rollout.coordinator.state import CoordinatorState, InvalidTransition, next_state
 from rollout.hashing import compute_block_hashes_batched
 from rollout.protocol import Headers
+from rollout.serving.coordinator.routing import Router
+from rollout.serving.coordinator.state import CoordinatorState, InvalidTransition, next_state
 
 
 def _hashes(prompt_id: int, n_blocks: int = 4, bs: int = 4) -> list[int]:

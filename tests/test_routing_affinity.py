@@ -12,8 +12,8 @@ import random
 import numpy as np
 import pytest
 
-from rollout.coordinator.routing import PREFIX_POLICIES, Router, affinity_key
 from rollout.hashing import HASH_MODULUS, compute_block_hashes_batched
+from rollout.serving.coordinator.routing import PREFIX_POLICIES, Router, affinity_key
 
 BLOCK = 16
 

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 from fake_engine import Harness
 
-from rollout.client import InferenceClient
 from rollout.sampling import SamplingParams
+from rollout.serving.client import InferenceClient
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""rollout.runtime: the background event loop, model sources, and clusters that never leave a
+"""rollout.serving: the background event loop, model sources, and clusters that never leave a
 process behind (parent raises, parent SIGKILLed)."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import time
 import pytest
 import torch
 
-from rollout.runtime import EventLoopManager, model_source_kwargs
+from rollout.serving.event_loop import EventLoopManager
+from rollout.serving.factory import model_source_kwargs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -71,7 +72,7 @@ def test_model_sources(tmp_path):
 
 _SCRIPT = """
 import os, signal, sys
-from rollout.runtime import EngineCluster
+from rollout.serving.cluster import EngineCluster
 
 def main():
     cluster = EngineCluster(1, "tiny", weight_sync=False, inference_config={{"num_blocks": 16}})

@@ -23,10 +23,10 @@ import staleness_oracle as oracle
 import torch
 from fake_engine import wait_for
 
-from rollout.engine.worker import build_engine
-from rollout.manager import RolloutManager
 from rollout.models import ModelConfig, build_model
+from rollout.rl.manager import RolloutManager
 from rollout.sampling import SamplingParams
+from rollout.serving.worker import build_engine
 from rollout.tokenizers import ByteTokenizer
 
 pytestmark = pytest.mark.timeout(240)

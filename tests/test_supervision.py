@@ -17,10 +17,10 @@ import torch
 from fake_engine import reap, wait_for
 
 from rollout import LLM, InferenceConfig, SamplingParams
-from rollout.engine.worker import EXIT_STALE_WEIGHTS
 from rollout.models import ModelConfig, build_model
-from rollout.runtime import EngineCluster
-from rollout.runtime.supervisor import EngineSupervisor, RestartPolicy
+from rollout.serving.cluster import EngineCluster
+from rollout.serving.supervisor import EngineSupervisor, RestartPolicy
+from rollout.serving.worker import EXIT_STALE_WEIGHTS
 from rollout.tokenizers import ByteTokenizer
 
 pytestmark = pytest.mark.timeout(240)
@@ -223,7 +223,7 @@ def test_restart_limit_reached_leaves_the_rank_down_and_the_rest_serving():
 
 
 def test_rollout_manager_dp2_engine_killed_mid_generation_is_restarted_with_current_weights():
-    from rollout.manager import RolloutManager, RolloutManagerConfig
+    from rollout.rl.manager import RolloutManager, RolloutManagerConfig
 
     model = build_model(ModelConfig.preset("tiny", vocab_size=259), seed=3).eval()
     m = RolloutManager(

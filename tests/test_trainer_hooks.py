@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rollout.engine.config import InferenceConfig
-from rollout.manager import RolloutManager
 from rollout.models import ModelConfig, build_model
+from rollout.rl.manager import RolloutManager
 from rollout.sampling import SamplingParams
 from trainer_hooks import RolloutHooks, grpo_loss, train
 

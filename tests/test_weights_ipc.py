@@ -19,9 +19,9 @@ from fake_engine import wait_for
 
 from rollout import config as C
 from rollout.engine.engine import DynamicInferenceEngine
-from rollout.manager import RolloutManager
-from rollout.runtime.cluster import _TrainerSync
+from rollout.rl.manager import RolloutManager
 from rollout.sampling import SamplingParams
+from rollout.serving.cluster import _TrainerSync
 from rollout.weights import WeightSyncError, plan_layout, state_dict_checksum
 from rollout.weights.ipc import (
     SHM_DIR,
@@ -137,7 +137,7 @@ def test_receiver_refuses_bad_payloads_and_keeps_its_weights():
 
 
 def test_auto_transport_is_ipc_only_on_the_engines_device(monkeypatch):
-    from rollout.runtime import cluster as runtime
+    from rollout.serving import cluster as runtime
 
     sync = _TrainerSync(1 << 20, 5.0, "auto", torch.device("cpu"))
     try:

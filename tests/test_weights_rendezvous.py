@@ -31,7 +31,7 @@ def test_store_binds_the_host_it_is_given():
 
 
 def test_the_trainer_side_of_weight_sync_binds_loopback():
-    from rollout.runtime.cluster import _TrainerSync
+    from rollout.serving.cluster import _TrainerSync
 
     sync = _TrainerSync(bucket_bytes=1 << 20, timeout_s=10)
     try:

@@ -7,11 +7,11 @@ import pytest
 import rollout.hashing
 from rollout.engine.config import InferenceConfig
 from rollout.engine.engine import DynamicInferenceEngine
-from rollout.engine.worker import EngineWorker
 from rollout.hashing import compute_block_hashes_batched
 from rollout.models import ModelConfig, build_model
 from rollout.protocol import pack_hashes, pack_obj, pack_tokens
 from rollout.sampling import SamplingParams
+from rollout.serving.worker import EngineWorker
 from rollout.tokenizers import ByteTokenizer
 
 SP = SamplingParams(temperature=0.0, num_tokens_to_generate=2, ignore_eos=True)

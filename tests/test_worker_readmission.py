@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from fake_engine import FakeEngine, Harness, wait_for, wait_until
 
-from rollout.engine.worker import EngineWorker
 from rollout.protocol import Headers
+from rollout.serving.worker import EngineWorker
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,8 +10,8 @@ import signal
 import pytest
 from fake_engine import Harness, reap, wait_until
 
-from rollout.engine.worker import EngineWorker, build_engine
 from rollout.sampling import SamplingParams
+from rollout.serving.worker import EngineWorker, build_engine
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from rollout.manager import RolloutManager
+from rollout.rl.manager import RolloutManager
 from trainer_hooks.hooks import RolloutHooks
 
 

@@ -25,8 +25,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from torch import nn
 
-from rollout.manager import RolloutManager
-from rollout.samples import Sample
+from rollout.rl.manager import RolloutManager
+from rollout.rl.samples import Sample
 
 
 @runtime_checkable

@@ -15,7 +15,7 @@ try:
 except ImportError:  # the older package name
     from pytorch_lightning.callbacks import Callback
 
-from rollout.manager import RolloutManager
+from rollout.rl.manager import RolloutManager
 from trainer_hooks.hooks import RolloutHooks
 
 

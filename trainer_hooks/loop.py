@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from rollout.manager import RolloutManager
-from rollout.samples import Sample, collate
+from rollout.rl.manager import RolloutManager
+from rollout.rl.samples import Sample, collate
 from trainer_hooks.hooks import RolloutHooks
 from trainer_hooks.losses import group_advantages, policy_loss, sequence_log_probs
 
