@@ -1,4 +1,4 @@
-"""Metrics: W&B logging under fixed namespaces, staleness summaries, timers and counters.
+"""Metrics: W&B logging under fixed namespaces and staleness summaries.
 
 Every key is `<namespace>/<name>` with the namespace one of `NAMESPACES`, so dashboards and
 alerts built for one run work for every run (a typo'd namespace raises instead of creating a new
@@ -9,18 +9,15 @@ back (no network, no W&B API) so tests and recipes can check what was logged.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import json
 import numbers
 import os
 import struct
-import threading
 import time
 import warnings
-from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -308,71 +305,6 @@ def _flat_numpy(values: Any) -> np.ndarray:
     parts = [_flat_numpy(v) if isinstance(v, (torch.Tensor, np.ndarray)) else np.asarray(v, np.float64).reshape(-1)
              for v in values]  # fmt: skip
     return np.concatenate(parts) if parts else np.zeros(0)
-
-
-# -- timers and counters ---------------------------------------------------------------------------
-
-
-class Timer:
-    """Accumulates wall seconds per key: `with timer("engine/step_s"): ...`. Thread-safe."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._seconds: dict[str, float] = defaultdict(float)
-        self._calls: dict[str, int] = defaultdict(int)
-
-    @contextlib.contextmanager
-    def __call__(self, key: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(key, time.perf_counter() - start)
-
-    def add(self, key: str, seconds: float) -> None:
-        with self._lock:
-            self._seconds[key] += seconds
-            self._calls[key] += 1
-
-    def get(self, key: str) -> float:
-        with self._lock:
-            return self._seconds.get(key, 0.0)
-
-    def calls(self, key: str) -> int:
-        with self._lock:
-            return self._calls.get(key, 0)
-
-    def summary(self, reset: bool = False) -> dict[str, float]:
-        """{key: total seconds}; `reset` starts a new accumulation window (per logging step)."""
-        with self._lock:
-            out = dict(self._seconds)
-            if reset:
-                self._seconds.clear()
-                self._calls.clear()
-        return out
-
-
-class Counter:
-    """Accumulates counts per key (tokens, samples, dropped requests). Thread-safe."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counts: dict[str, float] = defaultdict(float)
-
-    def add(self, key: str, n: float = 1) -> None:
-        with self._lock:
-            self._counts[key] += n
-
-    def get(self, key: str) -> float:
-        with self._lock:
-            return self._counts.get(key, 0.0)
-
-    def summary(self, reset: bool = False) -> dict[str, float]:
-        with self._lock:
-            out = dict(self._counts)
-            if reset:
-                self._counts.clear()
-        return out
 
 
 # -- conversion helpers ----------------------------------------------------------------------------
