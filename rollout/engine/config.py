@@ -9,7 +9,6 @@ from typing import Any
 import torch
 
 KV_POLICIES = ("recompute", "keep")
-PREFIX_EVICTION = ("lru",)
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -61,7 +60,6 @@ class InferenceConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     kv_policy: str = "recompute"
-    prefix_eviction: str = "lru"
     streaming_interval: int = 0
     device: str | None = None
     dtype: str | None = None
@@ -85,10 +83,6 @@ class InferenceConfig:
         if self.kv_policy not in KV_POLICIES:
             raise ValueError(
                 f"InferenceConfig.kv_policy must be one of {KV_POLICIES}, got {self.kv_policy!r}"
-            )
-        if self.prefix_eviction not in PREFIX_EVICTION:
-            raise ValueError(
-                f"InferenceConfig.prefix_eviction must be one of {PREFIX_EVICTION}, got {self.prefix_eviction!r}"
             )
         if self.max_tokens_per_step < self.max_requests:
             raise ValueError(
