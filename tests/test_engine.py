@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import greedy, prompts_of, tiny_model
 
 from rollout import hashing
 from rollout.engine import DynamicInferenceEngine, InferenceConfig
-from rollout.models import ModelConfig, build_model
+from rollout.models import build_model
 from rollout.request import DynamicInferenceEventType, Status
 from rollout.sampling import SamplingParams
 from rollout.tokenizers import ByteTokenizer
 
-VOCAB = 259  # ByteTokenizer
 GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=8, ignore_eos=True)
 
 
@@ -31,28 +31,15 @@ class IdTokenizer:
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    return build_model(ModelConfig.preset("tiny", vocab_size=VOCAB), seed=0).eval()
-
-
-def prompts_of(lengths, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+    return tiny_model(seed=0)
 
 
 _REF: dict[tuple, list[int]] = {}
 
 
-@torch.no_grad()
 def reference(model, prompt, n):
-    """Greedy decode recomputing the whole sequence with model.forward for every token
-    (memoised per model and prompt: a greedy continuation's prefix is the shorter one)."""
-    key = (id(model), tuple(prompt))
-    toks = list(prompt) + _REF.get(key, [])
-    while len(toks) < len(prompt) + n:
-        toks.append(int(model(torch.tensor([toks]))[0, -1].argmax()))
-    _REF[key] = toks[len(prompt) :]
-    return toks[len(prompt) : len(prompt) + n]
+    """The greedy no-cache decode, memoised per model and prompt across this module."""
+    return greedy(model, prompt, n, memo=_REF)
 
 
 def engine(model, tokenizer=None, **kw):
