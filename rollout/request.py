@@ -43,8 +43,6 @@ __all__ = [
     "InferenceRequest",
     "Status",
     "compute_block_hashes_batched",
-    "deserialize_tensor",
-    "serialize_tensor",
 ]
 
 

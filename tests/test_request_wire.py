@@ -13,14 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from request_helpers import ET, i32, make
 
+from rollout.codecs import deserialize_tensor, serialize_tensor
 from rollout.hashing import compute_block_hashes_batched
 from rollout.request import (
     DynamicInferenceEvent,
     DynamicInferenceRequest,
     DynamicInferenceRequestRecord,
     Status,
-    deserialize_tensor,
-    serialize_tensor,
 )
 from rollout.sampling import SamplingParams
 
