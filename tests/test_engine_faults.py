@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import greedy, tiny_model
 
 from rollout.engine import DynamicInferenceEngine, InferenceConfig
 from rollout.engine.engine import MAX_STEP_FAILURES_IN_A_ROW, EngineBrokenError
-from rollout.models import ModelConfig, build_model
 from rollout.request import DynamicInferenceEventType, Status
 from rollout.sampling import SamplingParams
 from rollout.tokenizers import ByteTokenizer
@@ -20,28 +20,18 @@ PROMPTS = [[1, 2, 3], [40, 41, 42, 43, 44], [7] * 19, [100, 90, 80, 70]]
 
 @pytest.fixture(scope="module")
 def model():
-    return build_model(ModelConfig.preset("tiny", vocab_size=259), seed=0).eval()
+    return tiny_model(seed=0)
 
 
 def padded_model() -> torch.nn.Module:
     """Vocabulary 300 over a 259-id tokenizer (like Qwen2.5's padded embedding); the padding
     rows are silent except id 299, which the model prefers wherever it would emit 35."""
-    cfg = ModelConfig.preset("tiny", vocab_size=300, tie_word_embeddings=False)
-    m = build_model(cfg, seed=0).eval()
+    m = tiny_model(seed=0, vocab_size=300, tie_word_embeddings=False)
     with torch.no_grad():
         w = m.lm_head.weight
         w[259:] = 0.0
         w[299] = 1.5 * w[35]
     return m
-
-
-@torch.no_grad()
-def reference(model, prompt, n):
-    """Greedy decode recomputing the whole sequence with model.forward for every token."""
-    toks = list(prompt)
-    for _ in range(n):
-        toks.append(int(model(torch.tensor([toks]))[0, -1].argmax()))
-    return toks[len(prompt) :]
 
 
 def make_engine(model, **kw):
@@ -100,12 +90,12 @@ def test_poison_request_fails_alone_and_the_rest_is_exact(model, stage):
     for rec, prompt in zip(healthy, PROMPTS, strict=True):
         got = done[rec.request_id].merge()
         assert got.status == Status.COMPLETED
-        assert got.generated_tokens == reference(model, prompt, 6)
+        assert got.generated_tokens == greedy(model, prompt, 6)
     assert eng.blocks.num_used == 0  # the poison's blocks went back too
     stats = eng.stats()
     assert (stats["request_faults"], stats["requests_failed"], stats["step_failures"]) == (1, 1, 0)
     after = eng.generate([PROMPTS[0]], GREEDY)[0]  # still serving
-    assert after.generated_tokens == reference(model, PROMPTS[0], 6)
+    assert after.generated_tokens == greedy(model, PROMPTS[0], 6)
 
 
 def test_corrupted_params_are_refused_on_admission(model):
@@ -159,9 +149,9 @@ def test_unexplained_step_failure_fails_that_step_and_the_engine_goes_on(model, 
     assert (stats["step_failures"], stats["requests_failed"]) == (1, 3)
     waiting = next(r for r in recs if r not in in_step)
     done = run(eng, [waiting])  # the request that was not in that step is served exactly
-    assert done[waiting.request_id].merge().generated_tokens == reference(model, PROMPTS[3], 6)
+    assert done[waiting.request_id].merge().generated_tokens == greedy(model, PROMPTS[3], 6)
     assert eng.blocks.num_used == 0
-    assert eng.generate([PROMPTS[0]], GREEDY)[0].generated_tokens == reference(model, PROMPTS[0], 6)
+    assert eng.generate([PROMPTS[0]], GREEDY)[0].generated_tokens == greedy(model, PROMPTS[0], 6)
 
 
 def test_steps_failing_in_a_row_raise_engine_broken_and_lose_no_record(model, monkeypatch):
@@ -194,7 +184,7 @@ def test_ids_past_the_tokenizer_become_replacement_text(model):
     eng = make_engine(padded)
     prompts = [[1, 2, 3], [40, 41, 42, 43, 44], [7] * 19, [100, 90, 80, 70], [5, 6]]
     out = eng.generate(prompts, GREEDY)
-    expected = [reference(padded, p, 6) for p in prompts]
+    expected = [greedy(padded, p, 6) for p in prompts]
     assert any(299 in ids for ids in expected), "the test model must emit an out-of-tokenizer id"
     assert any(299 not in ids for ids in expected)
     for r, ids in zip(out, expected, strict=True):
@@ -217,7 +207,7 @@ class StrictTokenizer(ByteTokenizer):
 
 
 def test_detokenization_fault_fails_that_request_only(model):
-    expected = [reference(model, p, 6) for p in PROMPTS]
+    expected = [greedy(model, p, 6) for p in PROMPTS]
     tok = StrictTokenizer(poison=expected[2])
     eng = DynamicInferenceEngine(model, tok, InferenceConfig(num_blocks=64, block_size=4))
     out = eng.generate(PROMPTS, GREEDY)
