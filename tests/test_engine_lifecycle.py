@@ -6,41 +6,25 @@ import gc
 
 import pytest
 import torch
+from reference import greedy, greedy_switched, prompts_of, tiny_model
 
 from rollout.engine import DynamicInferenceEngine, InferenceConfig
-from rollout.models import ModelConfig, build_model
 from rollout.request import DynamicInferenceEventType, Status
 from rollout.sampling import SamplingParams
 from rollout.tokenizers import ByteTokenizer
 
-CFG = ModelConfig.preset("tiny", vocab_size=259)
 SP = SamplingParams(
     temperature=0.0, num_tokens_to_generate=8, ignore_eos=True, return_log_probs=True
 )
 
 
-def prompts_of(lengths, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
-
-
 PROMPTS = prompts_of([3, 21, 9, 40])
-
-
-@torch.no_grad()
-def reference(models, prompt, n, switch_at=None):
-    """Greedy, full recompute per token; uses models[1] from generated token `switch_at` on."""
-    toks = list(prompt)
-    for i in range(n):
-        m = models[1] if switch_at is not None and i >= switch_at else models[0]
-        toks.append(int(m(torch.tensor([toks]))[0, -1].argmax()))
-    return toks[len(prompt) :]
 
 
 @pytest.fixture(scope="module")
 def weights():
-    a = build_model(CFG, seed=0).eval()
-    b = build_model(CFG, seed=1).eval()
+    a = tiny_model(seed=0)
+    b = tiny_model(seed=1)
     return a, b
 
 
@@ -76,7 +60,7 @@ def live_tensor_bytes() -> int:
 @pytest.mark.parametrize("mode", ["persist", "offload", "recompute"])
 def test_suspend_resume_mid_generation(weights, mode):
     a = weights[0]
-    want = [reference([a], p, 8) for p in PROMPTS]
+    want = [greedy(a, p, 8) for p in PROMPTS]
     eng = make_engine(a, max_requests=3)  # one request waits in the queue
     for p in PROMPTS:
         eng.add_request(None, p, SP)
@@ -119,7 +103,7 @@ def test_fifty_cycles_do_not_grow_memory(weights, mode):
 @pytest.mark.parametrize("policy", ["recompute", "keep"])
 def test_update_weights_mid_generation(weights, policy):
     a, b = weights
-    model = build_model(CFG, seed=0).eval()  # a private copy that the update overwrites
+    model = tiny_model(seed=0)  # a private copy that the update overwrites
     eng = make_engine(model, kv_policy=policy, max_requests=2)
     p0, p1, p2 = PROMPTS[0], PROMPTS[1], PROMPTS[2]
     for p in (p0, p1, p2):  # p2 waits (max_requests=2) and holds no KV at the update
@@ -137,13 +121,13 @@ def test_update_weights_mid_generation(weights, policy):
         assert r.generated_weight_versions == [0] * k + [1] * (8 - k)
         assert r.policy_staleness.tolist() == [1] * (n + k) + [0] * (8 - k)
         if policy == "recompute":
-            assert r.generated_tokens == reference([a, b], p, 8, switch_at=k)
+            assert r.generated_tokens == greedy_switched(a, b, p, 8, k)
             assert r.kv_cache_staleness.tolist() == [0] * (n + 8)
         else:  # old KV kept: positions computed before the update count one update
-            assert r.generated_tokens[:k] == reference([a], p, k)
+            assert r.generated_tokens[:k] == greedy(a, p, k)
             assert r.kv_cache_staleness.tolist() == [1] * (n + k - 1) + [0] * (9 - k)
     # the waiting request had no KV: policy staleness only, then everything from new weights
-    assert r2.generated_tokens == reference([b], p2, 8)
+    assert r2.generated_tokens == greedy(b, p2, 8)
     assert r2.policy_staleness.tolist() == [1] * len(p2) + [0] * 8
     assert r2.kv_cache_staleness is None or not r2.kv_cache_staleness.any()
     assert r2.generated_weight_versions == [1] * 8
@@ -153,25 +137,25 @@ def test_update_weights_keep_policy_matches_paged_reference(weights):
     """keep: tokens after the switch come from new weights over the old KV; check against an
     engine that never updates but whose KV was written by the old model (same thing by hand)."""
     a, b = weights
-    model = build_model(CFG, seed=0).eval()
+    model = tiny_model(seed=0)
     eng = make_engine(model, kv_policy="keep")
     eng.add_request(None, PROMPTS[3], SP)
     run(eng, 3)
     eng.update_weights(b.state_dict(), version=1)
     keep = run(eng)[0].generated_tokens
-    eng2 = make_engine(build_model(CFG, seed=0).eval(), kv_policy="recompute")
+    eng2 = make_engine(tiny_model(seed=0), kv_policy="recompute")
     eng2.add_request(None, PROMPTS[3], SP)
     run(eng2, 3)
     eng2.update_weights(b.state_dict(), version=1)
     recompute = run(eng2)[0].generated_tokens
-    assert keep[:3] == recompute[:3] == reference([a], PROMPTS[3], 3)
+    assert keep[:3] == recompute[:3] == greedy(a, PROMPTS[3], 3)
     assert len(keep) == 8  # and the new weights are in use
     assert eng.stats()["weight_updates"] == 1
 
 
 def test_bad_state_dict_is_rejected_and_old_weights_serve(weights):
     a, b = weights
-    model = build_model(CFG, seed=0).eval()
+    model = tiny_model(seed=0)
     eng = make_engine(model)
     good = b.state_dict()
     bad_shape = dict(good)
@@ -185,10 +169,10 @@ def test_bad_state_dict_is_rejected_and_old_weights_serve(weights):
         eng.update_weights(good, version=0)
     assert eng.weight_version == 0
     r = eng.generate([PROMPTS[1]], SP)[0]
-    assert r.generated_tokens == reference([a], PROMPTS[1], 8)  # nothing was half-applied
+    assert r.generated_tokens == greedy(a, PROMPTS[1], 8)  # nothing was half-applied
     eng.update_weights(good, version=3)
     r = eng.generate([PROMPTS[1]], SP)[0]
-    assert r.generated_tokens == reference([b], PROMPTS[1], 8)
+    assert r.generated_tokens == greedy(b, PROMPTS[1], 8)
     assert r.generated_weight_versions == [3] * 8
 
 
@@ -196,7 +180,7 @@ def test_suspend_recompute_then_update_then_resume(weights):
     """The RL loop: suspend(recompute) -> update weights -> resume: in-flight requests
     re-prefill under the new weights, in their original order, with fresh KV."""
     a, b = weights
-    model = build_model(CFG, seed=0).eval()
+    model = tiny_model(seed=0)
     eng = make_engine(model)
     for p in PROMPTS[:2]:
         eng.add_request(None, p, SP)
@@ -207,6 +191,6 @@ def test_suspend_recompute_then_update_then_resume(weights):
     done = run(eng)
     for i, p in enumerate(PROMPTS[:2]):
         r = done[i]
-        assert r.generated_tokens == reference([a, b], p, 8, switch_at=3)
+        assert r.generated_tokens == greedy_switched(a, b, p, 8, 3)
         assert r.policy_staleness.tolist() == [1] * (len(p) + 3) + [0] * 5
         assert r.kv_cache_staleness is None or not r.kv_cache_staleness.any()
