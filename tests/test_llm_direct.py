@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import torch
+from reference import greedy, tiny_model
 
 from rollout import LLM, AsyncLLM, InferenceConfig, SamplingParams
 from rollout.llm import _normalize_prompts
-from rollout.models import ModelConfig, build_model
 from rollout.request import DynamicInferenceRequest, Status
 from rollout.tokenizers import ByteTokenizer
 
@@ -16,16 +15,8 @@ SP = SamplingParams(temperature=0.0, num_tokens_to_generate=4, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm_parts():
-    model = build_model(ModelConfig.preset("tiny", vocab_size=259), seed=0).eval()
+    model = tiny_model(seed=0)
     return model, ByteTokenizer(), InferenceConfig(num_blocks=64)
-
-
-@torch.no_grad()
-def greedy(model, ids, n):
-    toks = list(ids)
-    for _ in range(n):
-        toks.append(int(model(torch.tensor([toks]))[0, -1].argmax()))
-    return toks[len(ids) :]
 
 
 def test_normalize_prompts_rules():
