@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 
 import pytest
 import zmq
+from reference import tiny_model
 from test_coordinator_hostile import _empty_maps_frame, _trickle, _zmtp_dealer
 from test_engine_faults import error_of, padded_model
 from test_supervision import wait_for
 
 from rollout import LLM, InferenceConfig, SamplingParams
-from rollout.models import ModelConfig, build_model
 from rollout.protocol import Headers, decode, encode
 from rollout.request import Status
 from rollout.serving.cluster import EngineCluster
@@ -378,7 +378,7 @@ def test_engine_stopped_past_the_timeout_leaves_nothing_stale(dp):
     SIGCONTed: told it is unknown, it forgets that request without a record (an abort record
     would answer a request another engine now owns) and registers again. The request went to the other engine
     (dp=2) or waited for this one to come back (dp=1); either way it completes exactly."""
-    model = build_model(ModelConfig.preset("tiny", vocab_size=259), seed=3).eval()
+    model = tiny_model(seed=3)
     sp = GREEDY.replace(num_tokens_to_generate=400)  # dp=2: the other engine is busy a while
     ref = LLM(model, ByteTokenizer(), InferenceConfig(**ICFG)).generate([[1, 2, 3]], sp)[0]
     cluster = EngineCluster(

@@ -7,9 +7,9 @@ import copy
 
 import pytest
 import torch
+from reference import tiny_model
 
 from rollout import LLM, AsyncLLM, InferenceConfig, SamplingParams
-from rollout.models import ModelConfig, build_model
 from rollout.tokenizers import ByteTokenizer
 
 SP = SamplingParams(temperature=0.0, num_tokens_to_generate=6, ignore_eos=True)
@@ -26,7 +26,7 @@ def _icfg() -> InferenceConfig:
 
 @pytest.fixture(scope="module")
 def model():
-    return build_model(ModelConfig.preset("tiny", vocab_size=259), seed=3).eval()
+    return tiny_model(seed=3)
 
 
 @pytest.fixture(scope="module")

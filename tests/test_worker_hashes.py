@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from reference import tiny_model
 
 import rollout.hashing
 from rollout.engine.config import InferenceConfig
 from rollout.engine.engine import DynamicInferenceEngine
 from rollout.hashing import compute_block_hashes_batched
-from rollout.models import ModelConfig, build_model
 from rollout.protocol import pack_hashes, pack_obj, pack_tokens
 from rollout.sampling import SamplingParams
 from rollout.serving.worker import EngineWorker
@@ -19,7 +19,7 @@ PROMPT = list(range(1, 38))  # 37 tokens: 4 complete blocks of 8; +2 generated s
 
 
 def _engine() -> DynamicInferenceEngine:
-    model = build_model(ModelConfig.preset("tiny", vocab_size=259), seed=0).eval()
+    model = tiny_model(seed=0)
     return DynamicInferenceEngine(
         model, ByteTokenizer(), InferenceConfig(block_size=8, num_blocks=32)
     )
