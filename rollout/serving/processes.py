@@ -2,7 +2,10 @@
 
 Every child (coordinator, engine workers) watches a pipe from the parent and exits when it
 closes, so nothing survives a parent that crashed or was killed; `stop_processes` joins, then
-escalates to SIGTERM and SIGKILL.
+escalates to SIGTERM and SIGKILL. Child entrypoints install `exit_on_signal` for SIGTERM so that
+a stop unwinds through their `finally` blocks (sockets closed, schedule log written).
+
+Standard library only: the coordinator process imports it and must stay free of torch.
 """
 
 from __future__ import annotations
@@ -31,6 +34,11 @@ def _child_main(watch: Any, target: Callable[..., Any], args: tuple) -> None:
     target(*args)
 
 
+def exit_on_signal(signum: int, frame: Any) -> None:
+    """SIGTERM handler of child entrypoints: a clean SystemExit(0) instead of dying mid-write."""
+    raise SystemExit(0)
+
+
 def spawn_child(target: Callable[..., Any], args: tuple, name: str) -> mp.Process:
     """Start `target(*args)` in a spawned process that exits when this process dies."""
     ctx = mp.get_context("spawn")
@@ -40,32 +48,6 @@ def spawn_child(target: Callable[..., Any], args: tuple, name: str) -> mp.Proces
     reader.close()
     proc._rollout_lifeline = writer  # type: ignore[attr-defined]  # closed with the process
     return proc
-
-
-def _coordinator_spawn(timeout: float, config: dict) -> tuple[mp.Process, str, str | None]:
-    """DataParallelInferenceCoordinator.spawn, with the parent-death lifeline: (process,
-    address, the auth token its peers must present)."""
-    from rollout.serving.coordinator import DataParallelInferenceCoordinator
-
-    parent, child = mp.get_context("spawn").Pipe(duplex=False)
-    proc = spawn_child(
-        DataParallelInferenceCoordinator.entrypoint, (child, config), "rollout-coordinator"
-    )
-    child.close()
-    if not parent.poll(timeout):
-        proc.kill()
-        raise TimeoutError(f"coordinator did not report its address within {timeout}s")
-    try:
-        msg = parent.recv()
-    except EOFError:
-        proc.join(5)
-        raise RuntimeError(
-            f"coordinator process died at start (exit code {proc.exitcode})"
-        ) from None
-    if "error" in msg:
-        proc.join(5)
-        raise RuntimeError(f"coordinator failed to start: {msg['error']}")
-    return proc, msg["address"], msg["auth_token"]
 
 
 def stop_processes(procs: list[mp.Process], timeout_s: float = 10.0) -> None:

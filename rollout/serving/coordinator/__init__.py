@@ -2,18 +2,7 @@
 
 from __future__ import annotations
 
-from rollout.serving.coordinator.coordinator import (
-    CoordinatorConfig,
-    DataParallelInferenceCoordinator,
-)
-from rollout.serving.coordinator.routing import POLICIES, Router
-from rollout.serving.coordinator.state import CoordinatorState, InvalidTransition
+from rollout.serving.coordinator.config import CoordinatorConfig
+from rollout.serving.coordinator.coordinator import DataParallelInferenceCoordinator
 
-__all__ = [
-    "POLICIES",
-    "CoordinatorConfig",
-    "CoordinatorState",
-    "DataParallelInferenceCoordinator",
-    "InvalidTransition",
-    "Router",
-]
+__all__ = ["CoordinatorConfig", "DataParallelInferenceCoordinator"]

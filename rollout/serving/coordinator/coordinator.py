@@ -37,15 +37,16 @@ from rollout.serving.auth import new_token, resolve_token
 from rollout.serving.coordinator.admission import Admission
 from rollout.serving.coordinator.config import CoordinatorConfig
 from rollout.serving.coordinator.peers import ClientPeer, EnginePeer, Pending, PendingControl
-from rollout.serving.coordinator.requests import RequestHandlers
+from rollout.serving.coordinator.requests import RequestPath
 from rollout.serving.coordinator.routing import Router
 from rollout.serving.coordinator.state import CoordinatorState, InvalidTransition, next_state
 from rollout.serving.gc_tuning import freeze_startup_heap
+from rollout.serving.processes import exit_on_signal, spawn_child
 
 log = logging.getLogger(__name__)
 
 
-class DataParallelInferenceCoordinator(RequestHandlers):
+class DataParallelInferenceCoordinator:
     """The ROUTER. `start()` runs the loop until SHUTDOWN; `stop()` releases the socket.
 
     `auth_token` is the secret peers must present: the configured one, else one from the
@@ -80,7 +81,6 @@ class DataParallelInferenceCoordinator(RequestHandlers):
             port = self.socket.bind_to_random_port(f"tcp://{cfg.host}")
         self.address = f"tcp://{cfg.host}:{port}"
         self.router = Router(cfg.policy, cfg.alpha, cfg.max_hash_entries, cfg.deterministic)
-        self.block_size = cfg.block_size
         self.state = CoordinatorState.RUNNING
         # The version label: the last SET_WEIGHT_VERSION, else the first engine's. Label-only
         # engines adopt it when they register (a relabel they missed while frozen included).
@@ -91,16 +91,20 @@ class DataParallelInferenceCoordinator(RequestHandlers):
         self.orphans: dict[int, Pending] = {}  # waiting for a live engine
         self.controls: dict[int, PendingControl] = {}
         self.counters: Counter[str] = Counter()
-        self.schedule: list[dict] = []
-        self._next_request_id = 0
+        self.schedule: list[dict] = []  # routing decisions, for config.schedule_output_path
+        self.request_path = RequestPath(
+            cfg, self.router, self.engines, self.clients, self.requests, self.orphans,
+            self.counters, self.schedule, lambda: self.state is CoordinatorState.STOPPING,
+            self._send_engine, self._send_client, self._error,
+        )  # fmt: skip
         self._next_control = 0
         self._next_peer = 0
         self._running = False
         self._closed = False
         self._handlers = {
-            Headers.SUBMIT_REQUEST: self._on_submit,
-            Headers.SUBMIT_BATCH: self._on_submit_batch,
-            Headers.ABORT_REQUEST: self._on_abort,
+            Headers.SUBMIT_REQUEST: self.request_path.on_submit,
+            Headers.SUBMIT_BATCH: self.request_path.on_submit_batch,
+            Headers.ABORT_REQUEST: self.request_path.on_abort,
             Headers.STATS: self._on_stats,
             Headers.HEARTBEAT: self._on_client_heartbeat,
             Headers.DISCONNECT: self._on_client_disconnect,
@@ -108,8 +112,8 @@ class DataParallelInferenceCoordinator(RequestHandlers):
             **{h: partial(self._control, header=h) for h in CONTROL_HEADERS},
         }
         self._engine_handlers = {
-            Headers.REPLY: self._on_reply,
-            Headers.REPLY_PARTIAL: self._on_partial,
+            Headers.REPLY: self.request_path.on_reply,
+            Headers.REPLY_PARTIAL: self.request_path.on_partial,
             Headers.CONTROL_ACK: self._on_control_ack,
             Headers.HEARTBEAT: self._on_engine_heartbeat,
             Headers.KV_EVENTS: self._on_kv_events,
@@ -122,7 +126,7 @@ class DataParallelInferenceCoordinator(RequestHandlers):
     def entrypoint(cls, conn, config: dict | None = None, **overrides) -> None:
         """Child-process main: bind, send {"address", "auth_token"} (or {"error"}) through
         `conn`, serve. The spawner hands the token to its engines and clients."""
-        signal.signal(signal.SIGTERM, _exit_on_signal)  # clean stop: schedule log gets written
+        signal.signal(signal.SIGTERM, exit_on_signal)  # clean stop: schedule log gets written
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
         try:
             coord = cls(CoordinatorConfig(**(config or {})), **overrides)
@@ -138,16 +142,21 @@ class DataParallelInferenceCoordinator(RequestHandlers):
 
     @classmethod
     def spawn(cls, timeout: float = 30.0, **config) -> tuple[mp.Process, str, str | None]:
-        """Start the coordinator in a spawned child process; (process, address, auth_token)."""
-        ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=cls.entrypoint, args=(child, config), daemon=True)
-        proc.start()
+        """Start the coordinator in a child process that dies with this one (`spawn_child`);
+        (process, address, the auth token its peers must present)."""
+        parent, child = mp.get_context("spawn").Pipe(duplex=False)
+        proc = spawn_child(cls.entrypoint, (child, config), "rollout-coordinator")
         child.close()
         if not parent.poll(timeout):
             proc.kill()
             raise TimeoutError(f"coordinator did not report its address within {timeout}s")
-        msg = parent.recv()
+        try:
+            msg = parent.recv()
+        except EOFError:
+            proc.join(5)
+            raise RuntimeError(
+                f"coordinator process died at start (exit code {proc.exitcode})"
+            ) from None
         if "error" in msg:
             proc.join(5)
             raise RuntimeError(f"coordinator failed to start: {msg['error']}")
@@ -344,8 +353,8 @@ class DataParallelInferenceCoordinator(RequestHandlers):
         engine.last_seen = time.monotonic()
         self.engines[identity] = engine
         self.router.add_engine(identity, rank)
-        if self.block_size is None:
-            self.block_size = block_size
+        if self.request_path.block_size is None:
+            self.request_path.block_size = block_size
         if self.weight_version is None:
             self.weight_version = version
         self.counters["engines_registered"] += 1
@@ -359,7 +368,7 @@ class DataParallelInferenceCoordinator(RequestHandlers):
         )
         if self._send_engine(engine, ack):
             for p in list(self.orphans.values()):
-                self._dispatch(p)
+                self.request_path.dispatch(p)
 
     # ---- control ------------------------------------------------------------------------
 
@@ -486,7 +495,7 @@ class DataParallelInferenceCoordinator(RequestHandlers):
         for e in list(self.engines.values()):
             self._send(e.identity, encode(Headers.SHUTDOWN))
         for p in list(self.requests.values()):
-            self._fail(p, "coordinator shut down")
+            self.request_path.fail(p, "coordinator shut down")
         self._running = False
 
     def _remove_client(self, identity: bytes, reason: str) -> None:
@@ -503,7 +512,7 @@ class DataParallelInferenceCoordinator(RequestHandlers):
             engine = self.engines.get(p.engine) if p.engine is not None else None
             if engine is not None:
                 self.router.release(engine.identity, p.reserved)
-                self._abort_on(engine, rid)
+                self.request_path.abort_on(engine, rid)
             self.counters["aborted_for_client"] += 1
         client.requests.clear()
 
@@ -529,18 +538,20 @@ class DataParallelInferenceCoordinator(RequestHandlers):
             p.engine, p.reserved = None, 0
             p.crashes += 1
             if stopping:
-                self._fail(p, f"engine rank {engine.rank} stopped before finishing the request")
+                self.request_path.fail(
+                    p, f"engine rank {engine.rank} stopped before finishing the request"
+                )
             elif p.crashes >= self.config.max_engine_crashes:
                 # it was on every engine that died under it: likely the cause, so it stops here
                 self.counters["failed_crashed_engines"] += 1
-                self._fail(
+                self.request_path.fail(
                     p,
                     f"request crashed {p.crashes} engines (each died while holding it); "
                     f"not re-dispatched again",
                 )
             else:
                 self.counters["redispatched"] += 1
-                self._dispatch(p)
+                self.request_path.dispatch(p)
 
     def _tick(self, now: float) -> None:
         cfg = self.config
@@ -557,12 +568,8 @@ class DataParallelInferenceCoordinator(RequestHandlers):
                 self._send_client(c.identity, hb)
         for p in list(self.orphans.values()):
             if p.deadline is not None and now >= p.deadline:
-                self._fail(
+                self.request_path.fail(
                     p,
                     f"no live engine for {cfg.engine_wait_s:.1f}s: request failed "
                     f"(all engines dead or none registered)",
                 )
-
-
-def _exit_on_signal(signum: int, frame: object) -> None:
-    raise SystemExit(0)

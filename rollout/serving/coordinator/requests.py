@@ -1,31 +1,69 @@
 """The coordinator's request path: submit, route, dispatch, abort, replies and failures.
 
-A mixin of DataParallelInferenceCoordinator (kept apart from connection, control and liveness
-handling): it works on the coordinator's `requests`/`orphans` maps, its `router`, `engines`,
-`clients`, `counters` and `config`, and sends through `_send_engine`/`_send_client`/`_error`.
+`RequestPath` is the part of DataParallelInferenceCoordinator that requests go through, kept
+apart from connection, control and liveness handling. The coordinator owns the state both
+work on (requests, orphans, engines, clients, counters, schedule, router) and hands it over at
+construction, with its three ways to send; its own handlers call `dispatch` (a request whose
+engine died, or one waiting for the first engine), `fail` and `abort_on`.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
+from collections.abc import Callable
 
 import numpy as np
 
 from rollout.protocol import Headers, batch_frames, encode, pack_hashes
+from rollout.serving.coordinator.config import CoordinatorConfig
 from rollout.serving.coordinator.peers import ClientPeer, EnginePeer, Pending
-from rollout.serving.coordinator.routing import PREFIX_POLICIES, affinity_key
-from rollout.serving.coordinator.state import CoordinatorState
+from rollout.serving.coordinator.routing import PREFIX_POLICIES, Router, affinity_key
+
+SendEngine = Callable[[EnginePeer, bytes], bool]  # False: unreachable, the engine was removed
+SendClient = Callable[[bytes, bytes], None]
+SendError = Callable[[bytes, Headers | None, int | None, str], None]
 
 
-class RequestHandlers:
-    """Request-path handlers of the coordinator (see the module docstring for what they use)."""
+class RequestPath:
+    """Request-path handlers of the coordinator, over the state it shares with them."""
 
-    def _on_submit(
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        router: Router,
+        engines: dict[bytes, EnginePeer],
+        clients: dict[bytes, ClientPeer],
+        requests: dict[int, Pending],
+        orphans: dict[int, Pending],
+        counters: Counter[str],
+        schedule: list[dict],
+        stopping: Callable[[], bool],
+        send_engine: SendEngine,
+        send_client: SendClient,
+        error: SendError,
+    ) -> None:
+        self.config = config
+        self.router = router
+        self.engines = engines
+        self.clients = clients
+        self.requests = requests
+        self.orphans = orphans  # waiting for a live engine
+        self.counters = counters
+        self.schedule = schedule  # routing decisions, for config.schedule_output_path
+        self.stopping = stopping
+        self.send_engine = send_engine
+        self.send_client = send_client
+        self.error = error
+        self.block_size = config.block_size  # None: the first engine's, when it registers
+        self._next_request_id = 0
+
+    def on_submit(
         self, client: ClientPeer, fields: list, batch: dict[bytes, list] | None = None
     ) -> None:
         crid, prompt, sp, num_tokens, stream = fields
         problem = None
-        if self.state is CoordinatorState.STOPPING:
+        if self.stopping():
             problem = "coordinator is stopping: request refused"
         elif crid in client.requests:
             problem = f"duplicate client request id {crid}"
@@ -37,7 +75,7 @@ class RequestHandlers:
             problem = f"packed prompt length {len(prompt)} is not a multiple of 4"
         if problem is not None:
             self.counters["rejected"] += 1
-            self._error(client.identity, Headers.SUBMIT_REQUEST, crid, problem)
+            self.error(client.identity, Headers.SUBMIT_REQUEST, crid, problem)
             return
         if type(prompt) is bytes:
             prompt_len = len(prompt) // 4
@@ -62,23 +100,23 @@ class RequestHandlers:
         self.requests[rid] = p
         client.requests[crid] = rid
         self.counters["requests"] += 1
-        self._dispatch(p, batch)
+        self.dispatch(p, batch)
 
-    def _on_submit_batch(self, client: ClientPeer, fields: list) -> None:
+    def on_submit_batch(self, client: ClientPeer, fields: list) -> None:
         """Many SUBMIT_REQUESTs in one frame (the client batches what it sends per loop turn):
         each is routed on its own, then every engine gets its share in one DISPATCH_BATCH frame
         (one socket send per engine instead of one per request: the send was a third of the
         coordinator's time per request)."""
         batch: dict[bytes, list] = {}
         for row in fields[0]:
-            self._on_submit(client, row, batch)
+            self.on_submit(client, row, batch)
         for key, rows in batch.items():
             engine = self.engines.get(key)
             if engine is None:  # removed while routing the batch: its requests were re-routed
                 continue
             # rows built here from fields validated on arrival: no second schema check
             for frame in batch_frames(Headers.DISPATCH_BATCH, rows):
-                if not self._send_engine(engine, frame):
+                if not self.send_engine(engine, frame):
                     break  # the engine was removed and everything it held re-dispatched
 
     def _hashes(self, packed_prompt: bytes) -> list[int]:
@@ -96,7 +134,7 @@ class RequestHandlers:
             return None
         return affinity_key(prompt)
 
-    def _dispatch(self, p: Pending, batch: dict[bytes, list] | None = None) -> None:
+    def dispatch(self, p: Pending, batch: dict[bytes, list] | None = None) -> None:
         """Route p to an engine (or park it until one registers, up to engine_wait_s).
         batch: collect the DISPATCH row per engine for the caller to send, instead of sending."""
         if not self.router.slots:
@@ -139,22 +177,22 @@ class RequestHandlers:
             batch.setdefault(key, []).append(row)
             return
         frame = encode(Headers.DISPATCH_REQUEST, *row)
-        self._send_engine(engine, frame)  # on failure the engine is removed and p re-dispatched
+        self.send_engine(engine, frame)  # on failure the engine is removed and p re-dispatched
 
-    def _on_abort(self, client: ClientPeer, fields: list) -> None:
+    def on_abort(self, client: ClientPeer, fields: list) -> None:
         crid = fields[0]
         rid = client.requests.get(crid)
         p = self.requests.get(rid) if rid is not None else None
         if p is None:
-            self._error(client.identity, Headers.ABORT_REQUEST, crid, f"unknown request id {crid}")
+            self.error(client.identity, Headers.ABORT_REQUEST, crid, f"unknown request id {crid}")
             return
         self.counters["aborts"] += 1
         if p.engine is not None:
-            self._send_engine(self.engines[p.engine], encode(Headers.ABORT_REQUEST, rid))
+            self.send_engine(self.engines[p.engine], encode(Headers.ABORT_REQUEST, rid))
         else:  # never reached an engine: fail it here
-            self._fail(p, "aborted before it reached an engine", Headers.ABORT_REQUEST)
+            self.fail(p, "aborted before it reached an engine", Headers.ABORT_REQUEST)
 
-    def _abort_on(self, engine: EnginePeer, rid: int) -> None:
+    def abort_on(self, engine: EnginePeer, rid: int) -> None:
         """Abort rid on an engine after forgetting it here (its reservation is released by the
         caller). The engine's last published load still counts rid, and a heartbeat already in
         flight may too: drop the snapshot and ignore heartbeats until the engine's final reply
@@ -162,9 +200,9 @@ class RequestHandlers:
         engine.requests.discard(rid)
         engine.aborting.add(rid)
         self.router.publish_load(engine.identity, 0)
-        self._send_engine(engine, encode(Headers.ABORT_REQUEST, rid))
+        self.send_engine(engine, encode(Headers.ABORT_REQUEST, rid))
 
-    def _on_reply(self, engine: EnginePeer, fields: list) -> None:
+    def on_reply(self, engine: EnginePeer, fields: list) -> None:
         out: dict[bytes, list] = {}
         aborting = engine.aborting
         for rid, record in fields[0]:
@@ -180,7 +218,7 @@ class RequestHandlers:
                 # answered by an engine we had given up on: stop the copy we re-dispatched
                 other = self.engines.get(p.engine)
                 if other is not None:
-                    self._abort_on(other, rid)
+                    self.abort_on(other, rid)
             self.router.release(p.engine, p.reserved)
             client = self.clients.get(p.client)
             if client is not None:
@@ -188,9 +226,9 @@ class RequestHandlers:
                 out.setdefault(p.client, []).append([p.client_request_id, record])
         self.counters["replies"] += len(fields[0])
         for identity, rows in out.items():
-            self._send_client(identity, encode(Headers.REPLY, rows))
+            self.send_client(identity, encode(Headers.REPLY, rows))
 
-    def _on_partial(self, engine: EnginePeer, fields: list) -> None:
+    def on_partial(self, engine: EnginePeer, fields: list) -> None:
         out: dict[bytes, list] = {}
         for rid, tokens, log_probs, versions, extra in fields[0]:
             p = self.requests.get(rid)
@@ -211,9 +249,9 @@ class RequestHandlers:
                 out.setdefault(p.client, []).append(row)
         self.counters["partials"] += len(fields[0])
         for identity, rows in out.items():
-            self._send_client(identity, encode(Headers.REPLY_PARTIAL, rows))
+            self.send_client(identity, encode(Headers.REPLY_PARTIAL, rows))
 
-    def _fail(self, p: Pending, message: str, ref_header: Headers = Headers.SUBMIT_REQUEST) -> None:
+    def fail(self, p: Pending, message: str, ref_header: Headers = Headers.SUBMIT_REQUEST) -> None:
         """Give up on p: drop it from every map and tell its client why."""
         self.requests.pop(p.request_id, None)
         self.orphans.pop(p.request_id, None)
@@ -226,4 +264,4 @@ class RequestHandlers:
         client = self.clients.get(p.client)
         if client is not None:
             client.requests.pop(p.client_request_id, None)
-            self._error(p.client, ref_header, p.client_request_id, message)
+            self.error(p.client, ref_header, p.client_request_id, message)
