@@ -76,30 +76,46 @@ def test_malformed_frames(frame, match):
         decode(frame)
 
 
-def test_wrong_arity_names_header_and_fields():
-    with pytest.raises(ProtocolError, match=r"SUSPEND: expected 2 fields \(control_id, mode\)"):
-        decode(msgpack.packb([int(Headers.SUSPEND), 1]))
-    with pytest.raises(ProtocolError, match="DISCONNECT: expected 0 fields"):
-        decode(msgpack.packb([int(Headers.DISCONNECT), 1]))
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ([int(Headers.SUSPEND), 1], r"SUSPEND: expected 2 fields \(control_id, mode\)"),
+        ([int(Headers.DISCONNECT), 1], "DISCONNECT: expected 0 fields"),
+    ],
+    ids=["suspend-missing-mode", "disconnect-extra-field"],
+)
+def test_wrong_arity_names_header_and_fields(fields, match):
+    with pytest.raises(ProtocolError, match=match):
+        decode(msgpack.packb(fields))
 
 
-def test_wrong_type_names_header_and_field():
-    with pytest.raises(ProtocolError, match=r"SUBMIT_REQUEST: field 'prompt' must be str \| bytes"):
-        decode(msgpack.packb([20, 1, [1, 2], b"", 4, False], use_bin_type=True))
-    # bool is not an int on the wire
-    with pytest.raises(ProtocolError, match="PAUSE: field 'control_id' must be int, got bool"):
-        decode(msgpack.packb([int(Headers.PAUSE), True]))
-    with pytest.raises(ProtocolError, match=r"REPLY: replies\[1\].record must be bytes"):
-        decode(msgpack.packb([int(Headers.REPLY), [[1, b"a"], [2, "s"]]], use_bin_type=True))
-    with pytest.raises(ProtocolError, match=r"REPLY: replies\[0\] must be a list of 2"):
-        decode(msgpack.packb([int(Headers.REPLY), [[1]]], use_bin_type=True))
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ([20, 1, [1, 2], b"", 4, False], r"SUBMIT_REQUEST: field 'prompt' must be str \| bytes"),
+        # bool is not an int on the wire
+        ([int(Headers.PAUSE), True], "PAUSE: field 'control_id' must be int, got bool"),
+        ([int(Headers.REPLY), [[1, b"a"], [2, "s"]]], r"REPLY: replies\[1\].record must be bytes"),
+        ([int(Headers.REPLY), [[1]]], r"REPLY: replies\[0\] must be a list of 2"),
+    ],
+    ids=["prompt-list", "control-id-bool", "reply-record-str", "reply-row-short"],
+)
+def test_wrong_type_names_header_and_field(fields, match):
+    with pytest.raises(ProtocolError, match=match):
+        decode(msgpack.packb(fields, use_bin_type=True))
 
 
-def test_encode_validates_too():
-    with pytest.raises(ProtocolError, match="SET_WEIGHT_VERSION: field 'version' must be int"):
-        encode(Headers.SET_WEIGHT_VERSION, 1, "v2")
-    with pytest.raises(ProtocolError, match="unknown header"):
-        encode(12345)
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((Headers.SET_WEIGHT_VERSION, 1, "v2"), "SET_WEIGHT_VERSION: field 'version' must be int"),
+        ((12345,), "unknown header"),
+    ],
+    ids=["version-str", "unknown-header"],
+)
+def test_encode_validates_too(args, match):
+    with pytest.raises(ProtocolError, match=match):
+        encode(*args)
 
 
 def test_oversize_rejected_and_limit_configurable():
@@ -153,15 +169,19 @@ def test_pack_tokens_accepts_list_tensor_ndarray():
     assert unpack_tokens(pack_tokens([])) == []
 
 
-def test_pack_tokens_rejects_bad_input():
-    with pytest.raises(ValueError, match="fit in int32"):
-        pack_tokens([2**31])
-    with pytest.raises(ValueError, match="integers"):
-        pack_tokens([1.5])
-    with pytest.raises(ValueError, match="1-D"):
-        pack_tokens(torch.zeros(2, 2, dtype=torch.long))
-    with pytest.raises(ProtocolError, match="not a multiple of 4"):
-        unpack_tokens(b"\x00" * 7)
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda: pack_tokens([2**31]), ValueError, "fit in int32"),
+        (lambda: pack_tokens([1.5]), ValueError, "integers"),
+        (lambda: pack_tokens(torch.zeros(2, 2, dtype=torch.long)), ValueError, "1-D"),
+        (lambda: unpack_tokens(b"\x00" * 7), ProtocolError, "not a multiple of 4"),
+    ],
+    ids=["over-int32", "float", "2-D", "unpack-7-bytes"],
+)
+def test_pack_tokens_rejects_bad_input(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
 
 
 def test_pack_hashes_and_floats():
