@@ -64,13 +64,21 @@ def test_event_payload_must_be_msgpack_native(payload):
         DynamicInferenceEvent(ET.FINISH, payload=payload)
 
 
-def test_event_validation():
-    with pytest.raises(ValueError, match="event type"):
-        DynamicInferenceEvent("FINISH")
-    with pytest.raises(ValueError, match="is_transient"):
-        DynamicInferenceEvent(ET.ERROR_TRANSIENT, payload={"message": "x"})
-    with pytest.raises(ValueError, match="NOPE"):
-        DynamicInferenceEvent.deserialize({"type": "NOPE", "timestamp": 1.0})
+@pytest.mark.parametrize(
+    "make_event, match",
+    [
+        (lambda: DynamicInferenceEvent("FINISH"), "event type"),
+        (
+            lambda: DynamicInferenceEvent(ET.ERROR_TRANSIENT, payload={"message": "x"}),
+            "is_transient",
+        ),
+        (lambda: DynamicInferenceEvent.deserialize({"type": "NOPE", "timestamp": 1.0}), "NOPE"),
+    ],
+    ids=["type-as-str", "transient-without-flag", "unknown-type"],
+)
+def test_event_validation(make_event, match):
+    with pytest.raises(ValueError, match=match):
+        make_event()
 
 
 def test_event_deserialize_validates_like_the_constructor():
