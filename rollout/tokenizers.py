@@ -1,9 +1,11 @@
 """Tokenizers behind one small interface: a Hugging Face `tokenizer.json` wrapper and a byte
 tokenizer for tests and recipes (no files, no downloads).
 
-Interface: `encode(text, add_bos=False) -> list[int]`, `decode(ids, skip_special_tokens=True)`,
-`tokenize`/`detokenize` aliases, `bos_id` (None when the tokenizer has none: `add_bos` then adds
-nothing), `eos_id`, `pad_id`, `eos_ids` (every id that ends a generation), `vocab_size`.
+Interface: `encode(text, add_bos=False) -> list[int]`, `encode_batch(texts, add_bos=False)`,
+`decode(ids, skip_special_tokens=True)`, `bos_id` (None when the tokenizer has none: `add_bos`
+then adds nothing), `eos_id`, `pad_id`, `eos_ids` (every id that ends a generation),
+`vocab_size`. `tokenize_with`, `detokenize_with` and `eos_ids_of` put a Hugging Face
+`tokenizers.Tokenizer` or `transformers` tokenizer behind the same three operations.
 
 `decode` never raises for an int id: an id the tokenizer does not know (a model whose embedding
 is padded past the tokenizer's vocabulary, as Qwen2.5's is, can emit one) becomes U+FFFD.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,18 +40,7 @@ def decode_replacing_unknown(
     return REPLACEMENT.join(parts)
 
 
-class _Aliases:
-    def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
-        return self.encode(text, add_bos=add_bos)  # type: ignore[attr-defined]
-
-    def detokenize(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        return self.decode(ids, skip_special_tokens=skip_special_tokens)  # type: ignore[attr-defined]
-
-    def encode_batch(self, texts: Sequence[str], add_bos: bool = False) -> list[list[int]]:
-        return [self.encode(t, add_bos=add_bos) for t in texts]  # type: ignore[attr-defined]
-
-
-class ByteTokenizer(_Aliases):
+class ByteTokenizer:
     """UTF-8 bytes are ids 0..255; then bos=256, eos=257, pad=258; vocab_size = 259.
 
     Invalid UTF-8 in `decode` (a model can emit any byte sequence) and ids past the vocabulary
@@ -70,6 +62,9 @@ class ByteTokenizer(_Aliases):
             raise TypeError(f"encode expects str, got {type(text).__name__}")
         ids = list(text.encode("utf-8"))
         return [self.bos_id, *ids] if add_bos else ids
+
+    def encode_batch(self, texts: Sequence[str], add_bos: bool = False) -> list[list[int]]:
+        return [self.encode(t, add_bos=add_bos) for t in texts]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         out: list[str] = []
@@ -100,7 +95,7 @@ class ByteTokenizer(_Aliases):
         return "ByteTokenizer(vocab_size=259)"
 
 
-class HFTokenizer(_Aliases):
+class HFTokenizer:
     """A `tokenizers.Tokenizer` with bos/eos/pad ids resolved from the files next to it.
 
     Special tokens are never added implicitly: `encode` adds bos only when asked, so prompts
@@ -208,44 +203,66 @@ def load_tokenizer(path: str | os.PathLike) -> ByteTokenizer | HFTokenizer:
     return HFTokenizer(tok, bos_id=resolve("bos"), eos_ids=eos_ids, pad_id=resolve("pad"))
 
 
-# -- adapters for any tokenizer: this module's API, with HF-style fallbacks (the engine's view) --
+# -- adapters: this module's interface, or a Hugging Face tokenizer (the engine's view) ----------
+def _hf_kind(tokenizer: Any) -> str | None:
+    """Which Hugging Face package `tokenizer` comes from ("tokenizers" or "transformers"), None
+    for this module's interface. Neither is imported here: an instance exists only once it is."""
+    tk = sys.modules.get("tokenizers")
+    if tk is not None and isinstance(tokenizer, tk.Tokenizer):
+        return "tokenizers"
+    tf = sys.modules.get("transformers")
+    if tf is not None and isinstance(tokenizer, tf.PreTrainedTokenizerBase):
+        return "transformers"
+    return None
+
+
 def tokenize_with(tokenizer: Any, text: str, bos: bool) -> list[int]:
-    """Prompts get the tokenizer's BOS (when it has one); stop words never do."""
-    bos = bos and getattr(tokenizer, "bos_id", None) is not None
-    if hasattr(tokenizer, "tokenize"):
-        return list(tokenizer.tokenize(text, add_bos=bos))
-    return list(tokenizer.encode(text))
+    """Prompts get the tokenizer's BOS (when it has one); stop words never do. Special tokens are
+    never added implicitly, whatever post-processor a Hugging Face tokenizer carries."""
+    kind = _hf_kind(tokenizer)
+    if kind == "tokenizers":  # no BOS of its own: the text's ids
+        return list(tokenizer.encode(text, add_special_tokens=False).ids)
+    if kind == "transformers":
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        bos_id = tokenizer.bos_token_id
+        return [bos_id, *ids] if bos and bos_id is not None else ids
+    return list(tokenizer.encode(text, add_bos=bos))
 
 
 def detokenize_with(tokenizer: Any, ids: list[int]) -> str | None:
-    """The text of `ids`. A tokenizer that raises for ids it does not know (e.g. an HF slow
-    tokenizer) is retried with those ids as U+FFFD; the token ids stay the truth."""
+    """The text of `ids` (None without a tokenizer). A tokenizer that raises for ids it does not
+    know (e.g. an HF slow tokenizer) is retried with those ids as U+FFFD; the ids stay the truth."""
     if tokenizer is None:
         return None
-    fn = getattr(tokenizer, "detokenize", None) or getattr(tokenizer, "decode", None)
-    if fn is None:
-        return None
     try:
-        return fn(ids)
+        return tokenizer.decode(ids)
     except Exception:
-        size = (
-            len(tokenizer)
-            if hasattr(tokenizer, "__len__")
-            else getattr(tokenizer, "vocab_size", None)
-        )
-        if not isinstance(size, int) or all(0 <= i < size for i in ids):
+        size = _vocab_size(tokenizer)
+        if all(0 <= i < size for i in ids):
             raise
-        return decode_replacing_unknown(fn, ids, size)
+        return decode_replacing_unknown(tokenizer.decode, ids, size)
+
+
+def _vocab_size(tokenizer: Any) -> int:
+    kind = _hf_kind(tokenizer)
+    if kind == "tokenizers":
+        return tokenizer.get_vocab_size(with_added_tokens=True)
+    if kind == "transformers":
+        return len(tokenizer)  # added tokens included, unlike .vocab_size
+    return tokenizer.vocab_size
 
 
 def eos_ids_of(tokenizer: Any, model_config: Any) -> frozenset[int]:
-    """The tokenizer's eos id(s), else the model config's."""
-    pairs = ((tokenizer, "eos_ids"), (tokenizer, "eos_id"), (tokenizer, "eos_token_id"),
-             (model_config, "eos_token_id"))  # fmt: skip
-    for source, name in pairs:
-        v = getattr(source, name, None) if source is not None else None
-        if isinstance(v, int) and not isinstance(v, bool):
-            return frozenset([v])
-        if isinstance(v, (list, tuple)) and v:
-            return frozenset(int(x) for x in v)
-    return frozenset()
+    """The tokenizer's eos id(s), else the model config's `eos_token_id` (an int or a list)."""
+    kind = _hf_kind(tokenizer)
+    if tokenizer is None or kind == "tokenizers":  # a bare tokenizers.Tokenizer names no eos
+        ids: Any = None
+    elif kind == "transformers":
+        ids = tokenizer.eos_token_id
+    else:
+        ids = tokenizer.eos_ids
+    if ids is None or ids == []:
+        ids = getattr(model_config, "eos_token_id", None)
+    if ids is None:
+        return frozenset()
+    return frozenset([ids]) if isinstance(ids, int) else frozenset(int(i) for i in ids)

@@ -20,12 +20,12 @@ class IdTokenizer:
     """'12 34' <-> [12, 34]: lets tests name stop words by token id."""
 
     bos_id = None
-    eos_id = None
+    eos_ids: list[int] = []
 
-    def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
         return [int(x) for x in text.split()]
 
-    def detokenize(self, ids) -> str:
+    def decode(self, ids) -> str:
         return " ".join(str(i) for i in ids)
 
 
@@ -247,7 +247,7 @@ def test_stop_token_eos_and_stop_word(model):
     word = f"{free[4]} {free[5]}"
     stop_word = eng.generate([prompt], GREEDY.replace(stop_words=[word]))[0]
     assert stop_word.stop_reason == "stop_word" and stop_word.generated_tokens[-2:] == free[4:6]
-    tok.eos_id = free[2]
+    tok.eos_ids = [free[2]]
     eos_eng = engine(model, tok)
     r = eos_eng.generate([prompt], GREEDY.replace(ignore_eos=False))[0]
     assert r.stop_reason == "eos" and r.generated_tokens[-1] == free[2]
@@ -288,7 +288,7 @@ def test_string_prompts_use_the_tokenizer(model):
     eng = engine(model)
     r = eng.generate(["hello"], GREEDY)[0]
     tok = ByteTokenizer()
-    ids = tok.tokenize("hello", add_bos=True)
+    ids = tok.encode("hello", add_bos=True)
     assert r.prompt == "hello" and r.prompt_tokens.tolist() == ids
     assert r.generated_tokens == reference(model, ids, 8)
     load = eng.load()

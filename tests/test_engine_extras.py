@@ -90,8 +90,8 @@ def test_pop_evicted_hashes_after_suspend_recompute(model):  # noqa: F811
 def test_tokenize_matches_str_prompts(model):  # noqa: F811
     tok = ByteTokenizer()
     eng = engine(model, tok)
-    assert eng.tokenize("hi") == tok.tokenize("hi", add_bos=True)
-    assert eng.tokenize("hi", add_bos=False) == tok.tokenize("hi", add_bos=False)
+    assert eng.tokenize("hi") == tok.encode("hi", add_bos=True)
+    assert eng.tokenize("hi", add_bos=False) == tok.encode("hi", add_bos=False)
     rec = eng.add_request(None, "hi", SamplingParams(num_tokens_to_generate=1))
     assert rec.requests[-1].prompt_tokens.tolist() == eng.tokenize("hi")
     with pytest.raises(ValueError, match="str"):

@@ -34,7 +34,7 @@ def test_llm_generate_single_and_batch(llm_parts):
     llm = LLM(model, tok, cfg)
     one = llm.generate("hi", SP)
     assert isinstance(one, DynamicInferenceRequest)
-    assert one.generated_tokens == greedy(model, tok.tokenize("hi", add_bos=True), 4)
+    assert one.generated_tokens == greedy(model, tok.encode("hi", add_bos=True), 4)
     ids = llm.generate([5, 6, 7], SP)
     assert isinstance(ids, DynamicInferenceRequest) and ids.prompt_tokens.tolist() == [5, 6, 7]
     batch = llm.generate(["a", "bcd", "ef"], SP)
@@ -95,7 +95,7 @@ def test_one_untokenizable_prompt_in_a_batch_of_eight_fails_alone(llm_parts):
     assert [r.status for r in out].count(Status.COMPLETED) == 7
     assert out[3].status == Status.FAILED
     assert any("cannot be tokenized" in (e.payload or {}).get("message", "") for e in out[3].events)
-    assert out[0].generated_tokens == greedy(model, tok.tokenize("x", add_bos=True), 4)
+    assert out[0].generated_tokens == greedy(model, tok.encode("x", add_bos=True), 4)
     assert not llm.engine.has_unfinished_requests()
 
 

@@ -8,7 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
+from rollout.tokenizers import (
+    ByteTokenizer,
+    HFTokenizer,
+    detokenize_with,
+    eos_ids_of,
+    load_tokenizer,
+    tokenize_with,
+)
 
 CORPUS = ["the quick brown fox", "jumps over the lazy dog", "héllo wörld 你好", "rollout rollout"]
 
@@ -20,7 +27,7 @@ def test_byte_round_trip(text):
     ids = tok.encode(text, add_bos=True)
     assert ids[0] == tok.bos_id and all(0 <= i < 256 for i in ids[1:])
     assert tok.decode(ids) == text
-    assert tok.detokenize([*tok.tokenize(text), tok.eos_id, tok.pad_id]) == text
+    assert tok.decode([*tok.encode(text), tok.eos_id, tok.pad_id]) == text
 
 
 def test_byte_specials_and_errors(tmp_path):
@@ -101,9 +108,7 @@ def test_hf_tokenizer_without_bos_adds_none(hf_dir):
     tok = load_tokenizer(hf_dir)
     assert tok.bos_id is None and tok.eos_id == 2
     for text in CORPUS:
-        assert (
-            tok.encode(text, add_bos=True) == tok.encode(text) == tok.tokenize(text, add_bos=True)
-        )
+        assert tok.encode(text, add_bos=True) == tok.encode(text)
     assert tok.encode_batch(CORPUS, add_bos=True) == [tok.encode(t) for t in CORPUS]
 
 
@@ -114,4 +119,50 @@ def test_byte_decode_of_ids_past_the_vocabulary_is_replacement_text():
     assert tok.decode([104, 259, 105]) == "h\ufffdi"
     assert tok.decode([104, 300, 301, 105, 257]) == "h\ufffd\ufffdi"
     assert tok.decode([0xE4, 999, 0xBD]) == "\ufffd\ufffd\ufffd"  # splits the broken UTF-8 too
-    assert tok.detokenize([2**40, -5]) == "\ufffd\ufffd"
+    assert tok.decode([2**40, -5]) == "\ufffd\ufffd"
+
+
+def test_adapters_on_this_modules_tokenizers(hf_dir):
+    """tokenize_with / detokenize_with / eos_ids_of are encode / decode / eos_ids here."""
+    for tok in (ByteTokenizer(), load_tokenizer(hf_dir)):
+        ids = tok.encode("the fox")
+        assert tokenize_with(tok, "the fox", bos=True) == [tok.bos_id, *ids]
+        assert tokenize_with(tok, "the fox", bos=False) == ids
+        assert detokenize_with(tok, [*ids, tok.eos_id]) == "the fox"
+        assert eos_ids_of(tok, None) == frozenset(tok.eos_ids)
+    assert detokenize_with(None, [1, 2]) is None
+
+
+class _Config:
+    eos_token_id = [7, 8]
+
+
+def test_adapters_on_hugging_face_tokenizers(hf_dir):
+    """A bare `tokenizers.Tokenizer` (no BOS, no eos of its own) and a `transformers` one (its
+    bos/eos ids; special tokens never added implicitly) behind the same adapters."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+
+    ours = load_tokenizer(hf_dir)
+    ids = ours.encode("the fox")
+    raw = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    assert tokenize_with(raw, "the fox", bos=True) == ids
+    assert detokenize_with(raw, [*ids, ours.eos_id]) == "the fox"
+    assert eos_ids_of(raw, _Config()) == frozenset([7, 8])  # the model config's
+
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>",
+                                              eos_token="</s>")  # fmt: skip
+    assert tokenize_with(hf, "the fox", bos=True) == [ours.bos_id, *ids]
+    assert tokenize_with(hf, "the fox", bos=False) == ids
+    assert detokenize_with(hf, ids) == "the fox"
+    assert eos_ids_of(hf, _Config()) == frozenset([ours.eos_id])
+
+
+def test_detokenize_with_retries_a_decode_that_raises_on_unknown_ids():
+    class Strict(ByteTokenizer):
+        def decode(self, ids, skip_special_tokens=True):
+            if any(i >= self.vocab_size for i in ids):
+                raise IndexError("unknown id")
+            return super().decode(ids, skip_special_tokens)
+
+    assert detokenize_with(Strict(), [104, 999, 105]) == "h\ufffdi"
