@@ -295,14 +295,21 @@ def test_string_prompts_use_the_tokenizer(model):
     assert load == {"waiting": 0, "running": 0, "kv_usage": 0.0, "outstanding_tokens": 0}
 
 
-def test_config_validation():
-    with pytest.raises(ValueError, match="kv_policy"):
-        InferenceConfig(kv_policy="bogus")
-    with pytest.raises(ValueError, match="block_size"):
-        InferenceConfig(block_size=0)
-    with pytest.raises(ValueError, match="max_tokens_per_step"):
-        InferenceConfig(max_requests=10, max_tokens_per_step=4)
-    with pytest.raises(ValueError, match="dtype"):
-        InferenceConfig(dtype="int3")
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"kv_policy": "bogus"}, "kv_policy"),
+        ({"block_size": 0}, "block_size"),
+        ({"max_requests": 10, "max_tokens_per_step": 4}, "max_tokens_per_step"),
+        ({"dtype": "int3"}, "dtype"),
+    ],
+    ids=["kv-policy-bogus", "block-size-0", "step-budget-below-max-requests", "dtype-int3"],
+)
+def test_config_validation(kw, match):
+    with pytest.raises(ValueError, match=match):
+        InferenceConfig(**kw)
+
+
+def test_kv_memory_below_one_block_is_rejected():
     with pytest.raises(ValueError, match="holds no KV block"):
         InferenceConfig(kv_cache_memory_bytes=10).resolve_num_blocks(1000)
