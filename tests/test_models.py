@@ -120,42 +120,79 @@ def test_parameter_names_match_hf():
     assert set(ours.state_dict()) == set(hf.state_dict())
 
 
-def test_load_errors(tmp_path):
+def _rewrite_weights(path, tensors):
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def _set_architecture(path, name):
+    hf = json.loads((path / "config.json").read_text())
+    hf["architectures"] = [name]
+    (path / "config.json").write_text(json.dumps(hf))
+
+
+@pytest.mark.parametrize(
+    "corrupt, match",
+    [
+        (
+            lambda p, w: _rewrite_weights(
+                p, {k: v for k, v in w.items() if "layers.1.mlp.up_proj" not in k}
+            ),
+            r"missing.*layers\.1\.mlp\.up_proj",
+        ),
+        (
+            lambda p, w: _rewrite_weights(
+                p, {**w, "model.layers.9.mlp.up_proj.weight": torch.zeros(2)}
+            ),
+            r"unexpected.*layers\.9",
+        ),
+        (
+            lambda p, w: _rewrite_weights(p, {**w, "model.norm.weight": torch.ones(65)}),
+            r"mis-shaped.*model.norm.weight.*\(65,\).*\(64,\)",
+        ),
+        (lambda p, w: _set_architecture(p, "MixtralForCausalLM"), "MixtralForCausalLM"),
+    ],
+    ids=["missing-tensor", "unexpected-tensor", "mis-shaped-tensor", "unsupported-architecture"],
+)
+def test_load_errors(tmp_path, corrupt, match):
     config = ModelConfig.preset("tiny", vocab_size=64)
-    model = build_model(config, seed=0)
-    save_pretrained(model, config, tmp_path)
-    weights = load_file(tmp_path / "model.safetensors")
+    save_pretrained(build_model(config, seed=0), config, tmp_path)
+    corrupt(tmp_path, load_file(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=match):
+        load_pretrained(tmp_path)
 
-    def rewrite(tensors):
-        save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
 
-    rewrite({k: v for k, v in weights.items() if "layers.1.mlp.up_proj" not in k})
-    with pytest.raises(ValueError, match=r"missing.*layers\.1\.mlp\.up_proj"):
-        load_pretrained(tmp_path)
-    rewrite({**weights, "model.layers.9.mlp.up_proj.weight": torch.zeros(2)})
-    with pytest.raises(ValueError, match=r"unexpected.*layers\.9"):
-        load_pretrained(tmp_path)
-    rewrite({**weights, "model.norm.weight": torch.ones(65)})
-    with pytest.raises(ValueError, match=r"mis-shaped.*model.norm.weight.*\(65,\).*\(64,\)"):
-        load_pretrained(tmp_path)
-    hf = json.loads((tmp_path / "config.json").read_text())
-    hf["architectures"] = ["MixtralForCausalLM"]
-    (tmp_path / "config.json").write_text(json.dumps(hf))
-    with pytest.raises(ValueError, match="MixtralForCausalLM"):
-        load_pretrained(tmp_path)
+def test_load_from_a_missing_directory_raises_file_not_found(tmp_path):
     with pytest.raises(FileNotFoundError):
         load_pretrained(tmp_path / "nowhere")
 
 
-def test_config_validation_and_presets():
-    with pytest.raises(ValueError, match="num_attention_heads=5 does not divide hidden_size=64"):
-        ModelConfig(hidden_size=64, num_attention_heads=5)
-    with pytest.raises(ValueError, match="num_key_value_heads=3 does not divide"):
-        ModelConfig(num_attention_heads=4, num_key_value_heads=3)
-    with pytest.raises(ValueError, match="architecture"):
-        ModelConfig(architecture="gpt2")
-    with pytest.raises(ValueError, match="yarn"):
-        ModelConfig(rope_scaling={"rope_type": "yarn", "factor": 2.0})
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (
+            {"hidden_size": 64, "num_attention_heads": 5},
+            "num_attention_heads=5 does not divide hidden_size=64",
+        ),
+        (
+            {"num_attention_heads": 4, "num_key_value_heads": 3},
+            "num_key_value_heads=3 does not divide",
+        ),
+        ({"architecture": "gpt2"}, "architecture"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "yarn"),
+    ],
+    ids=[
+        "heads-not-dividing-hidden",
+        "kv-heads-not-dividing-heads",
+        "architecture-gpt2",
+        "rope-yarn",
+    ],
+)
+def test_config_validation(kw, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(**kw)
+
+
+def test_presets():
     with pytest.raises(ValueError, match="preset"):
         ModelConfig.preset("huge")
     tiny = ModelConfig.preset("tiny", vocab_size=260)
