@@ -9,7 +9,7 @@ no use for is a cheap no-op there (`wake` in-process, `pop_evicted_hashes` over 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -37,9 +37,16 @@ class EngineProtocol(Protocol):
     tokenizer: Any  # text prompts are tokenized with it (None: token-id prompts only)
 
     def add_request(
-        self, request_id: int, prompt: Any, sampling_params: SamplingParams | None = None
+        self,
+        request_id: int,
+        prompt: Any = None,
+        sampling_params: SamplingParams | None = None,
+        record: DynamicInferenceRequestRecord | None = None,
+        precomputed_block_hashes: Sequence[int] | None = None,
     ) -> int:
-        """Queue a request (text or token ids); raises ValueError for one that can never run."""
+        """Queue a request (text or token ids), or resume `record` (a checkpoint from another
+        engine); `precomputed_block_hashes` (this engine's block size) spare hashing the prompt.
+        Raises ValueError for one that can never run."""
         ...
 
     def step(self) -> StepOutput:
