@@ -145,13 +145,18 @@ def test_hash_table_is_bounded_lru_evictable_and_reset():
     assert all(r.route(_hashes(9), 1)[0] == "b" for _ in range(3))
 
 
-def test_router_rejects_bad_config():
-    with pytest.raises(ValueError, match="policy must be one of"):
-        Router("random")
-    with pytest.raises(ValueError, match="alpha"):
-        Router("longest_prefix", alpha=1.5)
-    with pytest.raises(LookupError, match="no live engine"):
-        Router().route()
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda: Router("random"), ValueError, "policy must be one of"),
+        (lambda: Router("longest_prefix", alpha=1.5), ValueError, "alpha"),
+        (lambda: Router().route(), LookupError, "no live engine"),
+    ],
+    ids=["unknown-policy", "alpha-above-1", "route-with-no-engine"],
+)
+def test_router_rejects_bad_config(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
 
 
 def test_state_machine():

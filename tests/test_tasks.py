@@ -192,12 +192,16 @@ def test_prompts_start_without_bos_when_the_tokenizer_has_none():
     assert 256 not in batch["tokens"].tolist()[0]
 
 
-def test_registry_errors():
-    with pytest.raises(ValueError, match=r"unknown task 'sort'.*add.*reverse"):
-        get_task("sort")
-    with pytest.raises(ValueError, match="bad arguments for task 'add'"):
-        get_task("add", min_len=3)
-    with pytest.raises(ValueError, match="max_len"):
-        get_task("reverse", min_len=5, max_len=3)
-    with pytest.raises(ValueError, match="rng"):
-        get_task("reverse").sample_prompts(2, "seed")
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: get_task("sort"), r"unknown task 'sort'.*add.*reverse"),
+        (lambda: get_task("add", min_len=3), "bad arguments for task 'add'"),
+        (lambda: get_task("reverse", min_len=5, max_len=3), "max_len"),
+        (lambda: get_task("reverse").sample_prompts(2, "seed"), "rng"),
+    ],
+    ids=["unknown-task", "bad-argument", "min-len-above-max-len", "seed-as-rng"],
+)
+def test_registry_errors(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
