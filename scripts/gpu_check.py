@@ -291,9 +291,9 @@ def device_free_bytes(cuda: bool) -> int:
 def suspend_cycle(ctx: Ctx, eng: Any, mode: str, tol: int) -> dict[str, Any]:
     """Free memory before / while suspended / after resume, and (CUDA) the training step."""
 
-    ballast = fill_device(eng.kv_bytes // 2) if ctx.cuda else None
+    ballast = fill_device(eng.kv.nbytes // 2) if ctx.cuda else None
     before = device_free_bytes(ctx.cuda)
-    step_bytes = int(eng.kv_bytes * 0.9)
+    step_bytes = int(eng.kv.nbytes * 0.9)
     fits_before = ctx.cuda and training_step_fits(step_bytes)
     reported = eng.suspend(mode)
     during = device_free_bytes(ctx.cuda)
@@ -303,7 +303,7 @@ def suspend_cycle(ctx: Ctx, eng: Any, mode: str, tol: int) -> dict[str, Any]:
     del ballast
     got_back = during - before
     device_is_host = not ctx.cuda
-    expect_reported = 0 if mode == "persist" else eng.kv_bytes
+    expect_reported = 0 if mode == "persist" else eng.kv.nbytes
     expect_back = 0 if mode == "persist" or (device_is_host and mode == "offload") else reported
     row = {"reported_freed_bytes": reported, "device_got_back_bytes": got_back,
            "free_before": before, "free_suspended": during, "free_after_resume": after,

@@ -149,15 +149,15 @@ def _check_fidelity(samples, per_token: bool) -> None:
 def test_suspend_frees_kv_pool_and_refuses_generation():
     with _manager(suspend_mode="recompute") as m:
         m.generate([[1, 2, 3]], sampling_params=_sp(4))
-        pool = m.engine.kv_bytes
+        pool = m.engine.kv.nbytes
         assert m.suspend() == pool > 0
-        assert m.engine.kv_cache is None and m.suspended
+        assert m.engine.kv.cache is None and m.suspended
         assert m.suspend() == 0  # idempotent
         assert m.stats()["engine/kv_bytes_freed"] == pool
         with pytest.raises(RuntimeError, match="suspended"):
             m.generate([[1, 2, 3]], sampling_params=_sp(4))
         m.resume()
-        assert m.engine.kv_cache is not None
+        assert m.engine.kv.cache is not None
         assert len(m.generate([[1, 2, 3]], n=2, sampling_params=_sp(4))) == 2
 
 

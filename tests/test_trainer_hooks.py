@@ -35,7 +35,7 @@ def _record_kv_at_forward(model: torch.nn.Module, manager: RolloutManager) -> li
     seen: list[bool] = []
 
     def probe(module, args):
-        seen.append(manager.suspended and manager.engine.kv_cache is None)
+        seen.append(manager.suspended and manager.engine.kv.cache is None)
 
     model.register_forward_pre_hook(probe)
     return seen
@@ -82,7 +82,7 @@ def test_rollout_phase_suspends_even_when_generation_fails():
         with pytest.raises(ValueError, match="batch_size_groups"), hooks.rollout():
             assert not manager.suspended
             manager.collect(_prompts(), 0, N, _reward, SP)
-        assert manager.suspended and manager.engine.kv_cache is None
+        assert manager.suspended and manager.engine.kv.cache is None
         assert len(hooks.collect(_prompts(), 1, N, _reward, SP)) == N  # resumes by itself
         assert manager.suspended
 

@@ -4,7 +4,8 @@ sampling. `interface` holds the contract every engine implements (`EngineProtoco
 from __future__ import annotations
 
 from rollout.engine.config import InferenceConfig
-from rollout.engine.engine import DynamicInferenceEngine, RequestError
+from rollout.engine.engine import DynamicInferenceEngine
+from rollout.engine.intake import RequestError
 from rollout.engine.interface import EngineProtocol, StepOutput
 
 __all__ = [

@@ -34,23 +34,26 @@ from torch import nn
 from rollout.engine import sampler
 from rollout.engine.block_manager import NO_PARENT, BlockManager
 from rollout.engine.config import InferenceConfig
+from rollout.engine.intake import (
+    Prompt,
+    RequestError,
+    check_request,
+    new_record,
+    stop_word_ids,
+)
 from rollout.engine.interface import StepOutput
+from rollout.engine.kv_pool import KVPool
 from rollout.engine.model_runner import ModelRunner, prepare_batch
 from rollout.engine.scheduler import ScheduledBatch, Scheduler
 from rollout.engine.sequence import Sequence, check_block_hashes
-from rollout.models.config import kv_bytes_per_block, kv_cache_shape
 from rollout.protocol import SUSPEND_MODES
 from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord, Status
 from rollout.sampling import SamplingParams
 from rollout.tokenizers import detokenize_with, eos_ids_of, tokenize_with
+from rollout.weights.state import check_compatible
 
-Prompt = str | Seq[int] | torch.Tensor
 MAX_STEP_FAILURES_IN_A_ROW = 3  # then the device, not a request, is at fault
 log = logging.getLogger(__name__)
-
-
-class RequestError(ValueError):
-    """A request that can never be served (too long, bad token ids, empty prompt)."""
 
 
 class RequestFault(RuntimeError):
@@ -91,15 +94,12 @@ class DynamicInferenceEngine:
         self.vocab_size = int(self.model_config.vocab_size)
         self.weight_version = int(weight_version)
 
-        block_bytes = kv_bytes_per_block(self.model_config, config.block_size, dtype)
-        self.num_blocks = config.resolve_num_blocks(block_bytes)
-        self.kv_shape = kv_cache_shape(self.model_config, self.num_blocks, config.block_size)
-        self.kv_cache: torch.Tensor | None = torch.zeros(self.kv_shape, dtype=dtype, device=device)
-        self.kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
-        self._kv_backup: torch.Tensor | None = None
+        self.kv = KVPool(self.model_config, config, device, dtype)
         self.suspended: str | None = None  # the suspend mode, None while serving
+        self.closed = False
 
-        self.blocks = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.blocks = BlockManager(self.kv.num_blocks, config.block_size,
+                                   config.enable_prefix_caching)  # fmt: skip
         self.scheduler = Scheduler(config, self.blocks, self._on_evict, self._on_admit,
                                    self._on_fault)  # fmt: skip
         self._seqs: dict[int, Sequence] = {}
@@ -130,7 +130,9 @@ class DynamicInferenceEngine:
         complete block. A wrong hash only costs cache hits: every hit is verified on tokens."""
         given = check_block_hashes(precomputed_block_hashes)
         if record is None:
-            record, error = self._new_record(request_id, prompt, sampling_params)
+            record, error = new_record(self._new_id(request_id), prompt, sampling_params,
+                                       self.tokenizer, self.config.block_size,
+                                       self.config.enable_prefix_caching)  # fmt: skip
             if error is not None:
                 record.requests[-1].add_event_add_engine()
                 self._fail(record, error)
@@ -146,13 +148,12 @@ class DynamicInferenceEngine:
         req = record.requests[-1]
         if req.generated_tokens and req.remaining_tokens_to_generate > 0:
             record.checkpoint()  # resume: everything so far becomes the prompt
-            req = record.requests[-1]
-            given = None if precomputed_block_hashes is None else given
+            req = record.requests[-1]  # its leading blocks, and their given hashes, are the same
         req.status = Status.WAITING_IN_QUEUE
         req.add_event_add_engine()
         try:
-            self._validate(record)
-            stop_words = self._stop_words(req.sampling_params)
+            check_request(req, self.config, self.vocab_size, self.kv.num_blocks)
+            stop_words = stop_word_ids(self.tokenizer, req.sampling_params)
         except RequestError as e:
             self._fail(record, e)
             return record
@@ -188,82 +189,14 @@ class DynamicInferenceEngine:
         suspend(recompute)) since the last call and are not cached again; each once."""
         return self.blocks.pop_evicted_hashes()
 
-    def _new_record(
-        self, request_id: int | None, prompt: Prompt | None, sp: SamplingParams | None
-    ) -> tuple[DynamicInferenceRequestRecord, RequestError | None]:
-        if request_id is None:
+    def _new_id(self, request_id: int | None) -> int:
+        """`request_id`, or the next id no request in the engine holds."""
+        if request_id is not None:
+            return request_id
+        request_id = next(self._ids)
+        while request_id in self._seqs:
             request_id = next(self._ids)
-            while request_id in self._seqs:
-                request_id = next(self._ids)
-        sp = sp if sp is not None else SamplingParams()
-        if not isinstance(sp, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
-        text = prompt if isinstance(prompt, str) else None
-        error = None
-        try:
-            tokens = self._tokenize_prompt(prompt)
-        except RequestError as e:
-            tokens, error = torch.zeros(0, dtype=torch.int64), e
-        req = DynamicInferenceRequest(
-            request_id=request_id,
-            prompt=text,
-            sampling_params=sp,
-            prompt_tokens=tokens,
-            block_size_tokens=self.config.block_size,
-            enable_prefix_caching=False,  # the engine hashes incrementally itself
-        )
-        req.enable_prefix_caching = self.config.enable_prefix_caching
-        return DynamicInferenceRequestRecord.from_request(req), error
-
-    def _tokenize_prompt(self, prompt: Prompt | None) -> torch.Tensor:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("a str prompt needs a tokenizer")
-            try:
-                ids = tokenize_with(self.tokenizer, prompt, bos=True)
-            except Exception as e:  # e.g. a lone surrogate: this prompt fails, not the batch
-                raise RequestError(f"prompt cannot be tokenized: {type(e).__name__}: {e}") from e
-            return torch.tensor(ids, dtype=torch.int64)
-        if isinstance(prompt, torch.Tensor):
-            if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype == torch.bool:
-                raise RequestError(
-                    f"a tensor prompt must be 1-D integer, got {prompt.dtype} {tuple(prompt.shape)}"
-                )
-            return prompt.detach().to("cpu", torch.int64)
-        if isinstance(prompt, Seq) and not isinstance(prompt, (bytes, bytearray)):
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                raise RequestError("a token-id prompt must hold only ints")
-            return torch.tensor(list(prompt), dtype=torch.int64)
-        raise RequestError(
-            f"prompt must be a str or a list of token ids, got {type(prompt).__name__}"
-        )
-
-    def _validate(self, record: DynamicInferenceRequestRecord) -> None:
-        req = record.requests[-1]
-        try:
-            req.sampling_params.check()  # params changed after validation never reach a step
-        except Exception as e:
-            raise RequestError(f"invalid sampling_params: {e}") from e
-        tokens = req.prompt_tokens
-        if tokens is None or tokens.numel() == 0:
-            raise RequestError("empty prompt: nothing to condition on")
-        lo, hi = int(tokens.min()), int(tokens.max())
-        if lo < 0 or hi >= self.vocab_size:
-            bad = lo if lo < 0 else hi
-            raise RequestError(f"token id {bad} is out of range for vocab_size {self.vocab_size}")
-        total = req.prompt_length + req.remaining_tokens_to_generate
-        if total > self.config.max_sequence_length:
-            raise RequestError(
-                f"prompt ({req.prompt_length} tokens) + tokens to generate "
-                f"({req.remaining_tokens_to_generate}) = {total} exceeds max_sequence_length "
-                f"{self.config.max_sequence_length}"
-            )
-        blocks = -(-total // self.config.block_size)
-        if blocks > self.num_blocks:
-            raise RequestError(
-                f"request needs {blocks} KV blocks of {self.config.block_size} tokens, "
-                f"the pool has {self.num_blocks}"
-            )
+        return request_id
 
     def _fail(self, record: DynamicInferenceRequestRecord, error: Exception) -> None:
         req = record.requests[-1]
@@ -272,17 +205,6 @@ class DynamicInferenceEngine:
         req.staleness_version = self.weight_version  # what its staleness counters count from
         self.counters["requests_failed"] += 1
         self._done.append(record)
-
-    def _stop_words(self, sp: SamplingParams) -> list[list[int]]:
-        if not sp.stop_words:
-            return []
-        if self.tokenizer is None:
-            raise RequestError("stop_words need a tokenizer")
-        try:
-            words = [tokenize_with(self.tokenizer, s, bos=False) for s in sp.stop_words]
-        except Exception as e:
-            raise RequestError(f"stop_words cannot be tokenized: {type(e).__name__}: {e}") from e
-        return [w for w in words if w]
 
     def _next_seed(self) -> int:
         self._seed_rng = sampler.splitmix64(self._seed_rng)
@@ -313,6 +235,8 @@ class DynamicInferenceEngine:
     def step(self) -> StepOutput:
         """Schedule, run one forward over the flattened batch, sample, and bookkeep; faults
         fail requests, not the engine (see the module docstring)."""
+        if self.closed:
+            raise RuntimeError("engine is closed")
         if self.suspended is not None:
             raise RuntimeError(f"engine is suspended ({self.suspended}); call resume() first")
         out = StepOutput(finished=self._done)
@@ -343,7 +267,7 @@ class DynamicInferenceEngine:
             return
         prep = prepare_batch(batch, self.config.block_size, self.device)
         t0 = time.perf_counter()
-        logits = self.runner.logits(prep, self.kv_cache)
+        logits = self.runner.logits(prep, self.kv.cache)
         self.counters["forward_time_s"] += time.perf_counter() - t0
         self.blocks.stats.tokens_computed += prep.num_tokens
         for seq, n in batch:
@@ -452,10 +376,7 @@ class DynamicInferenceEngine:
         if reason is not None:
             self._complete(seq, reason)
         elif interval and seq.num_generated - seq.streamed >= interval:
-            start, seq.streamed = seq.streamed, seq.num_generated
-            out.partials.append((seq.request_id, seq.tokens[seq.first_prompt_len + start :],
-                                 seq.log_probs[start:],
-                                 _last_versions(seq.record, seq.num_generated - start)))  # fmt: skip
+            out.partials.append(seq.take_partial())
 
     def _complete(self, seq: Sequence, reason: str) -> None:
         """Finish `seq` with `reason` (its record comes out of this step); a fault while
@@ -557,69 +478,47 @@ class DynamicInferenceEngine:
         if mode == "persist":
             return 0
         if mode == "offload":
-            pin = self.device.type == "cuda"
-            self._kv_backup = torch.empty(
-                self.kv_shape, dtype=self.dtype, device="cpu", pin_memory=pin
-            )
-            self._kv_backup.copy_(self.kv_cache)
-        else:  # recompute: every in-flight request re-prefills on resume, in its queue order
-            for seq in self.scheduler.running:
-                self.blocks.free(seq.drop_kv())
-            self.blocks.reset()
-        self.kv_cache = None
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # hand the pool back to the driver, not just the allocator
-        return self.kv_bytes
+            return self.kv.offload()
+        for seq in self.scheduler.running:  # recompute: each re-prefills on resume, in order
+            self.blocks.free(seq.drop_kv())
+        self.blocks.reset()
+        return self.kv.drop()
 
     def resume(self) -> None:
         """Restore the KV pool after suspend() and serve again (no-op when not suspended)."""
-        mode, self.suspended = self.suspended, None
-        if mode is None:
+        if self.closed:
+            raise RuntimeError("engine is closed")
+        if self.suspended is None:
             return
-        if mode == "offload":
-            self.kv_cache = torch.empty(self.kv_shape, dtype=self.dtype, device=self.device)
-            self.kv_cache.copy_(self._kv_backup)
-            self._kv_backup = None
-        elif mode == "recompute":
-            self.kv_cache = torch.zeros(self.kv_shape, dtype=self.dtype, device=self.device)
+        self.suspended = None
+        self.kv.restore()
         for seq in self.scheduler.running:
             seq.request.status = Status.ACTIVE_AND_GENERATING_TOKENS
+
+    def wake(self) -> None:
+        """No-op: an in-process step() never blocks waiting for work, so there is nothing to
+        return early from (EngineProtocol: the cluster engine's step() waits)."""
+
+    def close(self) -> None:
+        """Forget every request and free the KV pool and any host copy of it; step() and
+        resume() raise afterwards. Idempotent."""
+        for rid in list(self._seqs):
+            self.discard(rid)
+        self._done.clear()
+        self.kv.close()
+        self.closed = True
 
     # -- weights ------------------------------------------------------------------------------
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy `state_dict` into the model in place and stamp `version`.
 
         Every name must exist in the model with the same shape (a subset is fine: bucketed
-        updates); anything wrong raises ValueError before a single weight changes. Then every
-        in-flight request's staleness goes up by one (policy only for those without KV), the
-        KV policy is applied, and prefix-cache blocks from older weights are dropped.
+        updates); floating-point tensors cast to the model's dtype, others must match it.
+        Anything wrong raises ValueError before a single weight changes. Then every in-flight
+        request's staleness goes up by one (policy only for those without KV), the KV policy is
+        applied, and prefix-cache blocks from older weights are dropped.
         """
-        if (
-            isinstance(version, bool)
-            or not isinstance(version, int)
-            or version <= self.weight_version
-        ):
-            raise ValueError(
-                f"version must be an int > current {self.weight_version}, got {version!r}"
-            )
-        if not isinstance(state_dict, Mapping) or not state_dict:
-            raise ValueError("state_dict must be a non-empty mapping of name -> tensor")
-        targets = self.model.state_dict(keep_vars=True)
-        problems = []
-        for name, t in state_dict.items():
-            if name not in targets:
-                problems.append(f"unknown parameter {name!r}")
-            elif not isinstance(t, torch.Tensor):
-                problems.append(f"{name}: expected a tensor, got {type(t).__name__}")
-            elif tuple(t.shape) != tuple(targets[name].shape):
-                problems.append(
-                    f"{name}: shape {tuple(t.shape)} != model {tuple(targets[name].shape)}"
-                )
-            elif not (t.dtype.is_floating_point or t.dtype == targets[name].dtype):
-                problems.append(f"{name}: dtype {t.dtype} cannot load into {targets[name].dtype}")
-        if problems:
-            raise ValueError(f"update_weights rejected ({len(problems)} problem(s)); old weights "
-                             f"still serve: " + "; ".join(problems[:5]))  # fmt: skip
+        targets = self._check_update(state_dict, version)
         with torch.no_grad():
             for name, t in state_dict.items():
                 targets[name].copy_(t)
@@ -635,13 +534,42 @@ class DynamicInferenceEngine:
                 seq.cacheable = False  # its KV mixes weights: never publish it
         self.blocks.drop_blocks_older_than(version)
 
+    def _check_update(
+        self, state_dict: Mapping[str, torch.Tensor], version: int
+    ) -> dict[str, torch.Tensor]:
+        """The model's tensors `state_dict` loads into; ValueError naming every problem."""
+        if (
+            isinstance(version, bool)
+            or not isinstance(version, int)
+            or version <= self.weight_version
+        ):
+            raise ValueError(
+                f"version must be an int > current {self.weight_version}, got {version!r}"
+            )
+        if not isinstance(state_dict, Mapping) or not state_dict:
+            raise ValueError("state_dict must be a non-empty mapping of name -> tensor")
+        not_tensors = [f"{k}: {type(t).__name__}" for k, t in state_dict.items()
+                       if not isinstance(t, torch.Tensor)]  # fmt: skip
+        if not_tensors:
+            raise ValueError(f"update_weights rejected: expected tensors, got {not_tensors[:5]}")
+        targets = self.model.state_dict(keep_vars=True)
+        specs = {}  # a floating-point tensor casts on copy: it counts as the target's dtype
+        for name, t in state_dict.items():
+            cast = t.dtype.is_floating_point and name in targets
+            specs[name] = (targets[name].dtype if cast else t.dtype, tuple(t.shape))
+        try:
+            check_compatible(targets, specs, strict=False)
+        except ValueError as e:
+            raise ValueError(f"update_weights rejected, old weights still serve: {e}") from None
+        return targets
+
     # -- introspection ------------------------------------------------------------------------
     def load(self) -> dict[str, Any]:
         seqs = list(self.scheduler.running) + list(self.scheduler.waiting)
         return {
             "waiting": len(self.scheduler.waiting),
             "running": len(self.scheduler.running),
-            "kv_usage": self.blocks.num_used / self.num_blocks,
+            "kv_usage": self.blocks.num_used / self.kv.num_blocks,
             "outstanding_tokens": sum(
                 s.num_uncomputed + s.request.remaining_tokens_to_generate for s in seqs
             ),
@@ -662,20 +590,9 @@ class DynamicInferenceEngine:
             blocks_evicted=b.blocks_evicted,
             blocks_dropped=b.blocks_dropped,
             evictions=self.scheduler.num_evictions,
-            num_blocks=self.num_blocks,
-            kv_cache_bytes=self.kv_bytes,
+            num_blocks=self.kv.num_blocks,
+            kv_cache_bytes=self.kv.nbytes,
             suspended=self.suspended,
         )
         out.update(self.load())
         return out
-
-
-def _last_versions(record: DynamicInferenceRequestRecord, n: int) -> list[int]:
-    """Weight versions of the last `n` generated tokens (an eviction checkpoint may split them
-    over segments)."""
-    out: list[int] = []
-    for req in reversed(record.requests):
-        if len(out) >= n:
-            break
-        out[:0] = req.generated_weight_versions[-(n - len(out)) :]
-    return out

@@ -94,6 +94,19 @@ class Sequence:
         self.cacheable = True
         return blocks
 
+    def take_partial(self) -> tuple[int, list[int], list[float], list[int]]:
+        """What was generated since the last partial, as a StepOutput partial `(request_id,
+        tokens, log_probs, weight_versions)`; the next partial starts after it."""
+        start, self.streamed = self.streamed, self.num_generated
+        n = self.num_generated - start
+        versions: list[int] = []  # an eviction checkpoint may split them over segments
+        for req in reversed(self.record.requests):
+            if len(versions) >= n:
+                break
+            versions[:0] = req.generated_weight_versions[-(n - len(versions)) :]
+        tokens = self.tokens[self.first_prompt_len + start :]
+        return self.request_id, tokens, self.log_probs[start:], versions
+
     def stop_reason(self, token: int) -> str | None:
         """Why generation ends after `token` was appended (None: keep going)."""
         req = self.request

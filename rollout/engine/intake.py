@@ -1,0 +1,119 @@
+"""Request intake: what a caller submits becomes a record the engine can serve, or a RequestError
+that says why it never can be.
+
+Every check here is per request, so a bad prompt fails that request alone (a FAILED record out
+of the next step) and never the batch it would have joined.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import torch
+
+from rollout.engine.config import InferenceConfig
+from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord
+from rollout.sampling import SamplingParams
+from rollout.tokenizers import tokenize_with
+
+Prompt = str | Seq[int] | torch.Tensor
+
+
+class RequestError(ValueError):
+    """A request that can never be served (too long, bad token ids, empty prompt)."""
+
+
+def new_record(
+    request_id: int, prompt: Prompt | None, sp: SamplingParams | None, tokenizer: Any,
+    block_size: int, enable_prefix_caching: bool,
+) -> tuple[DynamicInferenceRequestRecord, RequestError | None]:  # fmt: skip
+    """A one-segment record for `prompt` and the RequestError of a prompt that cannot be read
+    (the record then holds no tokens; the caller fails it). Raises ValueError for `sp` that is
+    not SamplingParams: a caller's bug, not a request's."""
+    sp = sp if sp is not None else SamplingParams()
+    if not isinstance(sp, SamplingParams):
+        raise ValueError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
+    error = None
+    try:
+        tokens = prompt_tokens(tokenizer, prompt)
+    except RequestError as e:
+        tokens, error = torch.zeros(0, dtype=torch.int64), e
+    req = DynamicInferenceRequest(
+        request_id=request_id,
+        prompt=prompt if isinstance(prompt, str) else None,
+        sampling_params=sp,
+        prompt_tokens=tokens,
+        block_size_tokens=block_size,
+        enable_prefix_caching=False,  # the engine hashes incrementally itself
+    )
+    req.enable_prefix_caching = enable_prefix_caching
+    return DynamicInferenceRequestRecord.from_request(req), error
+
+
+def prompt_tokens(tokenizer: Any, prompt: Prompt | None) -> torch.Tensor:
+    """The int64 token ids of a str (tokenized with BOS), token-id list or 1-D int tensor."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise RequestError("a str prompt needs a tokenizer")
+        try:
+            ids = tokenize_with(tokenizer, prompt, bos=True)
+        except Exception as e:  # e.g. a lone surrogate: this prompt fails, not the batch
+            raise RequestError(f"prompt cannot be tokenized: {type(e).__name__}: {e}") from e
+        return torch.tensor(ids, dtype=torch.int64)
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype == torch.bool:
+            raise RequestError(
+                f"a tensor prompt must be 1-D integer, got {prompt.dtype} {tuple(prompt.shape)}"
+            )
+        return prompt.detach().to("cpu", torch.int64)
+    if isinstance(prompt, Seq) and not isinstance(prompt, (bytes, bytearray)):
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise RequestError("a token-id prompt must hold only ints")
+        return torch.tensor(list(prompt), dtype=torch.int64)
+    raise RequestError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+
+
+def check_request(
+    req: DynamicInferenceRequest, config: InferenceConfig, vocab_size: int, num_blocks: int
+) -> None:
+    """Raise RequestError unless `req` can run to completion on this engine: valid sampling
+    params, a non-empty prompt of in-vocabulary ids, and room for every token it may generate
+    (in max_sequence_length and in the whole KV pool)."""
+    try:
+        req.sampling_params.check()  # params changed after validation never reach a step
+    except Exception as e:
+        raise RequestError(f"invalid sampling_params: {e}") from e
+    tokens = req.prompt_tokens
+    if tokens is None or tokens.numel() == 0:
+        raise RequestError("empty prompt: nothing to condition on")
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise RequestError(f"token id {bad} is out of range for vocab_size {vocab_size}")
+    total = req.prompt_length + req.remaining_tokens_to_generate
+    if total > config.max_sequence_length:
+        raise RequestError(
+            f"prompt ({req.prompt_length} tokens) + tokens to generate "
+            f"({req.remaining_tokens_to_generate}) = {total} exceeds max_sequence_length "
+            f"{config.max_sequence_length}"
+        )
+    blocks = -(-total // config.block_size)
+    if blocks > num_blocks:
+        raise RequestError(
+            f"request needs {blocks} KV blocks of {config.block_size} tokens, "
+            f"the pool has {num_blocks}"
+        )
+
+
+def stop_word_ids(tokenizer: Any, sp: SamplingParams) -> list[list[int]]:
+    """`sp.stop_words` as token-id sequences (no BOS; words that tokenize to nothing dropped)."""
+    if not sp.stop_words:
+        return []
+    if tokenizer is None:
+        raise RequestError("stop_words need a tokenizer")
+    try:
+        words = [tokenize_with(tokenizer, s, bos=False) for s in sp.stop_words]
+    except Exception as e:
+        raise RequestError(f"stop_words cannot be tokenized: {type(e).__name__}: {e}") from e
+    return [w for w in words if w]
