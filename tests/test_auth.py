@@ -40,15 +40,23 @@ def test_resolve_order_explicit_then_file_then_env_then_env_file(tmp_path, monke
     assert resolve_token("explicit", token_file=f1) == "explicit"
 
 
-def test_bad_token_sources_raise_clear_errors(tmp_path):
-    empty = tmp_path / "empty"
-    empty.write_text("\n")
-    with pytest.raises(ValueError, match="is empty"):
-        read_token_file(empty)
-    with pytest.raises(ValueError, match="cannot read auth token file"):
-        resolve_token(token_file=tmp_path / "missing")
-    with pytest.raises(ValueError, match="non-empty str"):
-        resolve_token("")
+def _empty_file(d):
+    (d / "empty").write_text("\n")
+    return d / "empty"
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda d: read_token_file(_empty_file(d)), "is empty"),
+        (lambda d: resolve_token(token_file=d / "missing"), "cannot read auth token file"),
+        (lambda d: resolve_token(""), "non-empty str"),
+    ],
+    ids=["empty-file", "missing-file", "empty-str"],
+)
+def test_bad_token_sources_raise_clear_errors(tmp_path, call, match):
+    with pytest.raises(ValueError, match=match):
+        call(tmp_path)
 
 
 def test_tokens_match_only_the_same_str():

@@ -28,13 +28,14 @@ def test_group_advantages_hand_computed():
     assert torch.isfinite(adv).all()
 
 
-def test_group_advantages_rejects_bad_input():
-    with pytest.raises(ValueError, match="multiple of n"):
-        group_advantages(torch.ones(5), n=2)
-    with pytest.raises(ValueError, match="n"):
-        group_advantages(torch.ones(4), n=0)
-    with pytest.raises(ValueError, match="1-D"):
-        group_advantages(torch.ones(2, 2), n=2)
+@pytest.mark.parametrize(
+    "shape, n, match",
+    [((5,), 2, "multiple of n"), ((4,), 0, "n"), ((2, 2), 2, "1-D")],
+    ids=["not-a-multiple-of-n", "n-0", "2-D-rewards"],
+)
+def test_group_advantages_rejects_bad_input(shape, n, match):
+    with pytest.raises(ValueError, match=match):
+        group_advantages(torch.ones(shape), n=n)
 
 
 def test_token_log_probs_matches_manual_and_is_fp32():
@@ -220,13 +221,19 @@ def test_policy_loss_bad_arguments(kwargs, match):
         policy_loss(torch.zeros(1, 2), None, torch.zeros(1), torch.ones(1, 2), **kwargs)
 
 
-def test_policy_loss_shape_errors():
-    with pytest.raises(ValueError, match="mask"):
-        policy_loss(torch.zeros(1, 2), None, torch.zeros(1), torch.ones(1, 3))
-    with pytest.raises(ValueError, match="advantages"):
-        policy_loss(torch.zeros(2, 2), None, torch.zeros(3), torch.ones(2, 2))
-    with pytest.raises(ValueError, match="old_logp"):
-        policy_loss(torch.zeros(1, 2), torch.zeros(1, 3), torch.zeros(1), torch.ones(1, 2))
+@pytest.mark.parametrize(
+    "logp, old_logp, advantages, mask, match",
+    [
+        ((1, 2), None, (1,), (1, 3), "mask"),
+        ((2, 2), None, (3,), (2, 2), "advantages"),
+        ((1, 2), (1, 3), (1,), (1, 2), "old_logp"),
+    ],
+    ids=["mask-shape", "advantages-length", "old-logp-shape"],
+)
+def test_policy_loss_shape_errors(logp, old_logp, advantages, mask, match):
+    old = None if old_logp is None else torch.zeros(old_logp)
+    with pytest.raises(ValueError, match=match):
+        policy_loss(torch.zeros(logp), old, torch.zeros(advantages), torch.ones(mask))
 
 
 def test_grpo_step_on_real_rollouts():
