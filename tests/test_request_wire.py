@@ -203,7 +203,7 @@ def test_deserialize_rejects_bad_fields(change, match):
         DynamicInferenceRequest.deserialize(obj)
 
 
-def test_deserialize_of_complete_dict_validates_and_normalises():
+def test_deserialize_of_complete_dict_normalises():
     """A complete dict skips the generated __init__; __post_init__ must still run on it."""
     obj = make(block_size_tokens=2).serialize()
     before = msgpack.packb(obj)
@@ -217,7 +217,11 @@ def test_deserialize_of_complete_dict_validates_and_normalises():
         obj | {"prompt_tokens": serialize_tensor(i32([4, 5])), "kv_cache_staleness": stale}
     )
     assert r.prompt_tokens.dtype == torch.int64 and r.kv_cache_staleness.dtype == torch.int32
-    bad = [
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
         ({"request_id": True}, "request_id"),
         ({"prompt_tokens": serialize_tensor(torch.tensor([1.0]))}, "prompt_tokens"),
         ({"prompt_tokens": serialize_tensor(torch.zeros(2, 2, dtype=torch.int64))}, "1-D"),
@@ -226,10 +230,23 @@ def test_deserialize_of_complete_dict_validates_and_normalises():
         ({"tpot": b"\0" * 7}, "tpot"),
         ({"events": 0}, "events"),
         ({"events": [{"type": "FINISH", "timestamp": 1.0, "payload": [2**64]}]}, "payload"),
-    ]
-    for change, match in bad:
-        with pytest.raises(ValueError, match=match):
-            DynamicInferenceRequest.deserialize(obj | change)
+    ],
+    ids=[
+        "request-id-bool",
+        "prompt-float",
+        "prompt-2-D",
+        "policy-staleness-2-D",
+        "block-size-0",
+        "tpot-7-bytes",
+        "events-int",
+        "event-payload-over-uint64",
+    ],
+)
+def test_deserialize_of_complete_dict_rejects_what_the_constructor_does(change, match):
+    """The complete-dict path skips the generated __init__: validation must still run."""
+    obj = make(block_size_tokens=2).serialize()
+    with pytest.raises(ValueError, match=match):
+        DynamicInferenceRequest.deserialize(obj | change)
 
 
 def test_deserialize_fills_missing_fields_with_defaults():
