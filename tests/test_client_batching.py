@@ -99,16 +99,27 @@ def test_submit_batch_schema_checks_every_row():
         encode(Headers.SUBMIT_BATCH, [[1, b"\0" * 4, sp, 3, False], [2, b"\0" * 4, sp, "3", False]])
 
 
-def test_pack_tokens_fast_path_matches_numpy_and_rejects_the_same_input():
+def test_pack_tokens_fast_path_matches_numpy():
     import numpy as np
 
     toks = [0, 5, -3, 2**31 - 1, -(2**31), np.int64(7)]
     assert pack_tokens(toks) == np.asarray([int(t) for t in toks], dtype="<i4").tobytes()
     assert pack_tokens(tuple(toks)) == pack_tokens(toks)
-    for bad, match in (([2**31], "fit in int32"), ([1, 2.5], "integers"), ([True, False], "integers"),
-                       ([[1, 2], [3, 4]], "1-D")):  # fmt: skip
-        with pytest.raises(ValueError, match=match):
-            pack_tokens(bad)
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ([2**31], "fit in int32"),
+        ([1, 2.5], "integers"),
+        ([True, False], "integers"),
+        ([[1, 2], [3, 4]], "1-D"),
+    ],
+    ids=["over-int32", "float", "bools", "nested-lists"],
+)
+def test_pack_tokens_fast_path_rejects_bad_input(bad, match):
+    with pytest.raises(ValueError, match=match):
+        pack_tokens(bad)
 
 
 async def test_start_freezes_the_startup_heap_unless_told_not_to(harness):

@@ -1,4 +1,4 @@
-"""Engine extras for the serving path: given block hashes, evicted-hash reports, tokenize."""
+"""Engine extras for the serving path: given block hashes, evicted-hash reports, str prompts."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from rollout.hashing import compute_block_hashes_batched
 from rollout.sampling import SamplingParams
-from rollout.tokenizers import ByteTokenizer
+from rollout.tokenizers import ByteTokenizer, tokenize_with
 from tests.test_engine import GREEDY, engine, model, prompts_of, reference  # noqa: F401
 
 BS = 4
@@ -49,14 +49,23 @@ def test_partial_precomputed_hashes_extend_with_computed_ones(model):  # noqa: F
     assert rec.merge().generated_tokens == reference(model, a, 8)
 
 
-def test_bad_precomputed_hashes_raise(model):  # noqa: F811
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ([1, 2, 3], "only 2 complete blocks"),
+        ([0], "precomputed_block_hashes"),
+        ([1.5], "precomputed_block_hashes"),
+        ([2**63], "precomputed_block_hashes"),
+        ("12", "precomputed_block_hashes"),
+        ([True], "precomputed_block_hashes"),
+    ],
+    ids=["more-hashes-than-blocks", "zero", "float", "over-int64", "str", "bool"],
+)
+def test_bad_precomputed_hashes_raise(model, bad, match):  # noqa: F811
     eng = engine(model, block_size=BS)
     (a,) = prompts_of([9])
-    with pytest.raises(ValueError, match="only 2 complete blocks"):
-        eng.add_request(None, a, GREEDY, precomputed_block_hashes=[1, 2, 3])
-    for bad in ([0], [1.5], [2**63], "12", [True]):
-        with pytest.raises(ValueError, match="precomputed_block_hashes"):
-            eng.add_request(None, a, GREEDY, precomputed_block_hashes=bad)
+    with pytest.raises(ValueError, match=match):
+        eng.add_request(None, a, GREEDY, precomputed_block_hashes=bad)
     assert not eng.has_unfinished_requests()
 
 
@@ -87,15 +96,11 @@ def test_pop_evicted_hashes_after_suspend_recompute(model):  # noqa: F811
     eng.resume()
 
 
-def test_tokenize_matches_str_prompts(model):  # noqa: F811
+def test_str_prompts_tokenize_as_tokenize_with(model):  # noqa: F811
+    """The convention a worker relies on to rebuild a resumed text prompt: a str prompt's tokens
+    are tokenize_with(engine.tokenizer, text, bos=True)."""
     tok = ByteTokenizer()
     eng = engine(model, tok)
-    assert eng.tokenize("hi") == tok.encode("hi", add_bos=True)
-    assert eng.tokenize("hi", add_bos=False) == tok.encode("hi", add_bos=False)
     rec = eng.add_request(None, "hi", SamplingParams(num_tokens_to_generate=1))
-    assert rec.requests[-1].prompt_tokens.tolist() == eng.tokenize("hi")
-    with pytest.raises(ValueError, match="str"):
-        eng.tokenize([1, 2])
-    eng.tokenizer = None
-    with pytest.raises(ValueError, match="no tokenizer"):
-        eng.tokenize("hi")
+    expected = tokenize_with(eng.tokenizer, "hi", bos=True)
+    assert rec.requests[-1].prompt_tokens.tolist() == expected == tok.encode("hi", add_bos=True)

@@ -45,11 +45,11 @@ def test_llm_generate_single_and_batch(llm_parts):
     assert llm.generate([], SP) == []
 
 
-def test_lifecycle_methods_need_a_coordinator(llm_parts):
+@pytest.mark.parametrize("name", ["pause", "unpause", "suspend", "resume", "shutdown"])
+def test_lifecycle_methods_need_a_coordinator(llm_parts, name):
     llm = LLM(*llm_parts)
-    for name in ("pause", "unpause", "suspend", "resume", "shutdown"):
-        with pytest.raises(RuntimeError, match="coordinator mode only"):
-            getattr(llm, name)()
+    with pytest.raises(RuntimeError, match="coordinator mode only"):
+        getattr(llm, name)()
 
 
 async def test_async_llm_direct(llm_parts):
