@@ -1,23 +1,29 @@
 """A model-free DynamicInferenceEngine stand-in for coordinator/worker tests.
 
-Same interface as rollout.engine.engine.DynamicInferenceEngine (add_request with record resume,
-abort, step -> StepOutput, suspend/resume, load, stats). The next token is a pure function of
-the whole context, like greedy decoding, so a request resumed from a checkpoint on another
-engine continues exactly as an uninterrupted one would.
+It implements the whole engine contract (rollout.engine.interface.EngineProtocol). The next
+token is a pure function of the whole context, like greedy decoding, so a request resumed from
+a checkpoint on another engine continues exactly as an uninterrupted one would.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from rollout.engine.interface import StepOutput
 from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord, Status
 from rollout.sampling import SamplingParams
+from rollout.serving.client import InferenceClient
+from rollout.serving.coordinator import DataParallelInferenceCoordinator
+from rollout.serving.worker import EngineWorker
+from rollout.tokenizers import tokenize_with
 
 VOCAB = 1000
 
@@ -53,16 +59,24 @@ class FakeConfig:
     crash_on_token: int | None = None
 
 
-@dataclass
-class StepOutput:
-    finished: list[DynamicInferenceRequestRecord] = field(default_factory=list)
-    partials: list[tuple[int, list[int], list[float], list[int]]] = field(default_factory=list)
+class FakeTokenizer:
+    """One id per character (its code point mod VOCAB), no BOS: rollout.tokenizers' interface."""
+
+    bos_id = None
+    eos_ids: list[int] = []
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        return [ord(c) % VOCAB for c in text]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids)
 
 
 class FakeEngine:
     def __init__(self, config: FakeConfig | None = None, weight_version: int = 0, **kw: Any):
         self.config = config or FakeConfig(**kw)
         self.weight_version = weight_version
+        self.tokenizer = FakeTokenizer()
         self.suspended: str | None = None
         self._active: dict[int, tuple[DynamicInferenceRequestRecord, list[int], int]] = {}
         self._done: list[DynamicInferenceRequestRecord] = []
@@ -80,7 +94,8 @@ class FakeEngine:
     ) -> DynamicInferenceRequestRecord:
         if record is None:
             if isinstance(prompt, str):
-                tokens = torch.tensor(self.tokenize(prompt), dtype=torch.int64)
+                ids = tokenize_with(self.tokenizer, prompt, bos=True)
+                tokens = torch.tensor(ids, dtype=torch.int64)
             else:
                 tokens = torch.as_tensor(prompt, dtype=torch.int64)
             req = DynamicInferenceRequest(
@@ -107,9 +122,6 @@ class FakeEngine:
     def pop_evicted_hashes(self) -> list[int]:
         out, self.evicted = self.evicted, []
         return out
-
-    def tokenize(self, text: str) -> list[int]:
-        return [ord(c) % VOCAB for c in text]
 
     def abort(self, request_id: int) -> bool:
         entry = self._active.pop(request_id, None)
@@ -174,6 +186,21 @@ class FakeEngine:
     def resume(self) -> None:
         self.suspended = None
 
+    def wake(self) -> None:
+        """step() never blocks here."""
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """No weights to copy: stamp `version` and age in-flight requests (their "KV" is kept)."""
+        if version <= self.weight_version:
+            raise ValueError(f"version must be > current {self.weight_version}, got {version}")
+        self.weight_version = version
+        for record, _, _ in self._active.values():
+            record.increment_staleness(policy_only=False)
+
+    def close(self) -> None:
+        self._active.clear()
+        self._done.clear()
+
     def load(self) -> dict[str, Any]:
         outstanding = sum(
             r.requests[-1].remaining_tokens_to_generate for r, _, _ in self._active.values()
@@ -205,30 +232,23 @@ class Harness:
     Peers authenticate as everywhere else: `auth_token` is the coordinator's (generated) one."""
 
     def __init__(self, **coordinator_config: Any):
-        import threading
-
-        from rollout.serving.coordinator import DataParallelInferenceCoordinator
-
         cfg = {"heartbeat_s": 0.1, "engine_timeout_s": 1.0, "engine_wait_s": 1.0}
         cfg.update(coordinator_config)
         self.coord = DataParallelInferenceCoordinator(**cfg)
         self.address = self.coord.address
         self.auth_token = self.coord.auth_token
-        self._threading = threading
         self.thread = threading.Thread(target=self.coord.start, daemon=True)
         self.thread.start()
         self.workers: list[Any] = []
         self.threads: list[Any] = []
 
     def add_engine(self, rank: int, auth_token: Any = _HARNESS_TOKEN, **fake: Any):
-        from rollout.serving.worker import EngineWorker
-
         if auth_token is _HARNESS_TOKEN:
             auth_token = self.auth_token
         engine = FakeEngine(FakeConfig(**fake))
         worker = EngineWorker(engine, self.address, rank, auth_token=auth_token,
                               coordinator_timeout_s=5.0)  # fmt: skip
-        t = self._threading.Thread(target=_run_quietly, args=(worker,), daemon=True)
+        t = threading.Thread(target=_run_quietly, args=(worker,), daemon=True)
         t.start()
         self.workers.append(worker)
         self.threads.append(t)
@@ -236,8 +256,6 @@ class Harness:
 
     async def client(self, **kw: Any):
         """A started InferenceClient holding this harness's token (unless given another)."""
-        from rollout.serving.client import InferenceClient
-
         kw.setdefault("auth_token", self.auth_token)
         return await InferenceClient(self.address, **kw).start()
 

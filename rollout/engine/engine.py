@@ -49,7 +49,7 @@ from rollout.engine.sequence import Sequence, check_block_hashes
 from rollout.protocol import SUSPEND_MODES
 from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord, Status
 from rollout.sampling import SamplingParams
-from rollout.tokenizers import detokenize_with, eos_ids_of, tokenize_with
+from rollout.tokenizers import detokenize_with, eos_ids_of
 from rollout.weights.state import check_compatible
 
 MAX_STEP_FAILURES_IN_A_ROW = 3  # then the device, not a request, is at fault
@@ -174,15 +174,6 @@ class DynamicInferenceEngine:
         self._seqs[rid] = seq
         self.scheduler.add(seq)
         return record
-
-    def tokenize(self, text: str, add_bos: bool = True) -> list[int]:
-        """Token ids of `text` exactly as a str prompt is tokenized (BOS when asked for and the
-        tokenizer has one); the worker uses it to rebuild resumed text prompts."""
-        if not isinstance(text, str):
-            raise ValueError(f"tokenize takes a str, got {type(text).__name__}")
-        if self.tokenizer is None:
-            raise ValueError("this engine has no tokenizer: pass token-id prompts")
-        return tokenize_with(self.tokenizer, text, bos=add_bos)
 
     def pop_evicted_hashes(self) -> list[int]:
         """Block hashes that left this engine's prefix cache (LRU eviction, weight-update drops,

@@ -43,10 +43,12 @@ class EngineProtocol(Protocol):
         sampling_params: SamplingParams | None = None,
         record: DynamicInferenceRequestRecord | None = None,
         precomputed_block_hashes: Sequence[int] | None = None,
-    ) -> int:
+    ) -> Any:
         """Queue a request (text or token ids), or resume `record` (a checkpoint from another
         engine); `precomputed_block_hashes` (this engine's block size) spare hashing the prompt.
-        Raises ValueError for one that can never run."""
+        A request that can never run comes out of a later step as FAILED; a malformed call (an
+        id already in the engine, a bad `record`) raises ValueError. The return value is the
+        implementation's own (in-process: the live record): callers key on `request_id`."""
         ...
 
     def step(self) -> StepOutput:
@@ -56,7 +58,8 @@ class EngineProtocol(Protocol):
     def has_unfinished_requests(self) -> bool: ...
 
     def abort(self, request_id: int) -> bool:
-        """Stop a request; its record comes out of a later step as FAILED."""
+        """Stop a request; its record (stop_reason "abort") comes out of a later step.
+        False when the engine does not hold it."""
         ...
 
     def discard(self, request_id: int) -> None:
@@ -64,7 +67,8 @@ class EngineProtocol(Protocol):
         ...
 
     def wake(self) -> None:
-        """Return a blocked `step()` early (work arrived from another thread)."""
+        """Return a blocked `step()` early (work arrived from another thread); thread-safe. A
+        no-op where `step()` never blocks (in-process)."""
         ...
 
     def suspend(self, mode: str) -> int:
@@ -90,5 +94,5 @@ class EngineProtocol(Protocol):
         ...
 
     def close(self) -> None:
-        """Release processes and memory; the engine is unusable afterwards."""
+        """Release processes and memory; the engine is unusable afterwards. Idempotent."""
         ...
