@@ -125,7 +125,7 @@ def _free_port() -> int:
 def _sync_worker(rank: int, world: int, port: int, nbytes: int, bucket: int, reps: int, out: str):
     import torch.distributed as dist
 
-    from rollout.weights import WeightReceiver, WeightSender, init_weight_sync_group
+    from rollout.weights.broadcast import WeightReceiver, WeightSender, init_weight_sync_group
 
     torch.set_num_threads(1)
     init_weight_sync_group(rank, world, f"tcp://127.0.0.1:{port}", "gloo", timeout_s=300)

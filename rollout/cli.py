@@ -23,7 +23,11 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from rollout.serving.auth import new_token, resolve_token
+from rollout.serving.cluster import EngineCluster
 from rollout.serving.coordinator.routing import POLICIES
+from rollout.serving.factory import build_engine
+from rollout.serving.worker import EngineWorker
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -93,8 +97,6 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
 
 
 def _token(command: str, args: argparse.Namespace) -> str | None:
-    from rollout.serving.auth import resolve_token
-
     try:
         return resolve_token(token_file=args.auth_token_file)
     except ValueError as e:
@@ -102,13 +104,12 @@ def _token(command: str, args: argparse.Namespace) -> str | None:
 
 
 def engine(args: argparse.Namespace) -> int:
-    from rollout.serving.worker import EngineWorker, build_engine
-
     if args.rank < 0:
         raise SystemExit(f"rollout engine: --rank must be >= 0, got {args.rank}")
     token = _token("engine", args)
     built = build_engine(args.model, device=args.device, dtype=args.dtype, **_engine_config(args))
-    worker = EngineWorker(built, args.coordinator, args.rank, auth_token=token)
+    worker = EngineWorker(built, args.coordinator, args.rank, auth_token=token,
+                          block_size=args.block_size, capacity=args.max_requests)  # fmt: skip
     print(f"engine {args.rank} pid {os.getpid()} -> {args.coordinator}", flush=True)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
@@ -145,8 +146,6 @@ def _write_token_file(token: str) -> Path:
 
 def _serve_token(args: argparse.Namespace) -> tuple[str | None, Path | None]:
     """(token, file written for it): --auth-token-file / environment, else a new one."""
-    from rollout.serving.auth import new_token
-
     if args.allow_unauthenticated:
         return None, None
     token = _token("serve", args)
@@ -179,8 +178,6 @@ class _EngineEvents:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from rollout.serving.cluster import EngineCluster
-
     _check_serve(args)
     token, token_file = _serve_token(args)
     events = _EngineEvents(args.dp)

@@ -71,7 +71,7 @@ def instrument(engine: Any, log_path: str | os.PathLike) -> Any:
 
 def build_engine(log_dir: str, **kwargs: Any) -> Any:
     """Worker-process factory: the standard engine, instrumented, one log file per process."""
-    from rollout.serving.worker import build_engine as build
+    from rollout.serving.factory import build_engine as build
 
     return instrument(build(**kwargs), Path(log_dir) / f"engine-{os.getpid()}.jsonl")
 

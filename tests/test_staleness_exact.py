@@ -26,7 +26,7 @@ from fake_engine import wait_for
 from rollout.models import ModelConfig, build_model
 from rollout.rl.manager import RolloutManager
 from rollout.sampling import SamplingParams
-from rollout.serving.worker import build_engine
+from rollout.serving.factory import build_engine
 from rollout.tokenizers import ByteTokenizer
 
 pytestmark = pytest.mark.timeout(240)

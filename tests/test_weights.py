@@ -6,13 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from rollout.weights import (
-    as_state_dict,
-    bucket_checksum,
-    copy_weights_,
-    plan_layout,
-    state_dict_checksum,
-)
+from rollout.weights.layout import bucket_checksum, plan_layout
+from rollout.weights.state import as_state_dict, copy_weights_, state_dict_checksum
 
 
 def _net(seed: int) -> nn.Module:

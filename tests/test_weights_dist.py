@@ -38,13 +38,13 @@ def _weights(version: int) -> nn.Module:
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    from rollout.weights import (
+    from rollout.weights.broadcast import (
         WeightReceiver,
         WeightSender,
         WeightSyncError,
         init_weight_sync_group,
-        state_dict_checksum,
     )
+    from rollout.weights.state import state_dict_checksum
 
     torch.set_num_threads(1)
     init_weight_sync_group(rank, 3, f"tcp://127.0.0.1:{port}", "gloo", timeout_s=60)
@@ -105,7 +105,7 @@ def _dump(out_dir: str, rank: int, log: list[dict]) -> None:
 
 
 def test_two_receivers_identical_and_failures_keep_old_version(tmp_path):
-    from rollout.weights import state_dict_checksum
+    from rollout.weights.state import state_dict_checksum
 
     ctx = mp.get_context("spawn")
     port = _free_port()

@@ -17,12 +17,14 @@ import pytest
 import torch
 from fake_engine import wait_for
 
-from rollout import config as C
+from rollout.config import ConfigError, load_config, validate
+from rollout.config.builders import build_manager, build_model_and_tokenizer, inference_config
+from rollout.config.schema import RoutingPolicy, RunConfig, WeightSyncTransport
 from rollout.engine.engine import DynamicInferenceEngine
 from rollout.rl.manager import RolloutManager
 from rollout.sampling import SamplingParams
-from rollout.serving.cluster import _TrainerSync
-from rollout.weights import WeightSyncError, plan_layout, state_dict_checksum
+from rollout.weights import trainer_sync
+from rollout.weights.broadcast import WeightSyncError
 from rollout.weights.ipc import (
     SHM_DIR,
     SHM_PREFIX,
@@ -32,6 +34,9 @@ from rollout.weights.ipc import (
     plan_buckets,
     remove_orphaned_segments,
 )
+from rollout.weights.layout import plan_layout
+from rollout.weights.state import state_dict_checksum
+from rollout.weights.trainer_sync import TrainerWeightSync
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -39,23 +44,23 @@ GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=6)
 PROMPTS = [[256, *b"hello world!"], [256, *b"reverse me"]]
 
 
-def _run(transport: str = "ipc", device: str = "cpu") -> C.RunConfig:
-    run = C.RunConfig()
+def _run(transport: str = "ipc", device: str = "cpu") -> RunConfig:
+    run = RunConfig()
     run.rollout.dp = 2
     run.model.device = device
     run.engine.num_blocks = 64
     run.engine.block_size = 4
     run.engine.max_sequence_length = 128
-    run.coordinator.weight_sync_transport = C.schema.WeightSyncTransport[transport]
+    run.coordinator.weight_sync_transport = WeightSyncTransport[transport]
     run.coordinator.heartbeat_s = 0.2
     run.coordinator.engine_timeout_s = 1.0  # a killed engine is noticed within a second
-    run.coordinator.policy = C.schema.RoutingPolicy["round_robin"]  # both engines serve
+    run.coordinator.policy = RoutingPolicy["round_robin"]  # both engines serve
     return run
 
 
-def _manager(run: C.RunConfig) -> tuple[RolloutManager, torch.nn.Module, object]:
-    trainer, tok, _ = C.build_model_and_tokenizer(C.validate(run))
-    manager = RolloutManager.from_config(run, model=trainer, tokenizer=tok)
+def _manager(run: RunConfig) -> tuple[RolloutManager, torch.nn.Module, object]:
+    trainer, tok, _ = build_model_and_tokenizer(validate(run))
+    manager = build_manager(validate(run), model=trainer, tokenizer=tok)
     manager.engine.cluster.sync.bucket_bytes = 32 << 10  # a dozen buckets for the tiny model
     return manager, trainer, tok
 
@@ -64,7 +69,7 @@ def _manager(run: C.RunConfig) -> tuple[RolloutManager, torch.nn.Module, object]
 def ctx():
     run = _run()
     manager, trainer, tok = _manager(run)
-    yield {"run": C.validate(run), "manager": manager, "trainer": trainer, "tok": tok}
+    yield {"run": validate(run), "manager": manager, "trainer": trainer, "tok": tok}
     manager.close()
 
 
@@ -78,7 +83,7 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
 def _direct(ctx, model) -> list[list[int]]:
     """Greedy tokens of a fresh in-process engine holding `model`'s weights."""
     engine = DynamicInferenceEngine(
-        copy.deepcopy(model).eval(), ctx["tok"], C.inference_config(ctx["run"])
+        copy.deepcopy(model).eval(), ctx["tok"], inference_config(ctx["run"])
     )
     return [r.generated_tokens for r in engine.generate(PROMPTS, GREEDY)]
 
@@ -137,19 +142,17 @@ def test_receiver_refuses_bad_payloads_and_keeps_its_weights():
 
 
 def test_auto_transport_is_ipc_only_on_the_engines_device(monkeypatch):
-    from rollout.serving import cluster as runtime
-
-    sync = _TrainerSync(1 << 20, 5.0, "auto", torch.device("cpu"))
+    sync = TrainerWeightSync(1 << 20, 5.0, "auto", torch.device("cpu"))
     try:
         cpu, meta = {"w": torch.zeros(2)}, {"w": torch.zeros(2, device="meta")}
         assert sync.transport_for(meta) == "broadcast"  # not where the engines are
-        assert sync.transport_for(cpu) == ("ipc" if "cpu" in runtime.AUTO_IPC_DEVICES
+        assert sync.transport_for(cpu) == ("ipc" if "cpu" in trainer_sync.AUTO_IPC_DEVICES
                                            else "broadcast")  # fmt: skip
-        monkeypatch.setattr(runtime, "AUTO_IPC_DEVICES", ("cuda",))
+        monkeypatch.setattr(trainer_sync, "AUTO_IPC_DEVICES", ("cuda",))
         assert sync.transport_for(cpu) == "broadcast"
         sync.transport = "ipc"
         assert sync.transport_for(meta) == "ipc"  # explicit: whatever the device
-        gpu = _TrainerSync(1 << 20, 5.0, "auto", torch.device("cuda"))
+        gpu = TrainerWeightSync(1 << 20, 5.0, "auto", torch.device("cuda"))
         assert gpu.engine_device == torch.device("cuda", 0)
         gpu.close()
     finally:
@@ -157,9 +160,9 @@ def test_auto_transport_is_ipc_only_on_the_engines_device(monkeypatch):
 
 
 def test_config_validates_the_transport():
-    with pytest.raises(C.ConfigError, match="weight_sync_transport"):
-        C.load_config(["coordinator.weight_sync_transport=nccl"])
-    run = C.load_config(["coordinator.weight_sync_transport=ipc"])
+    with pytest.raises(ConfigError, match="weight_sync_transport"):
+        load_config(["coordinator.weight_sync_transport=nccl"])
+    run = load_config(["coordinator.weight_sync_transport=ipc"])
     assert run.coordinator.weight_sync_transport == "ipc"
 
 
@@ -327,7 +330,7 @@ def test_benchmark_reports_seconds_per_gb_and_identical_weights():
 def test_cuda_colocated_update_through_ipc_handles():
     run = _run(transport="auto", device="cuda")
     manager, trainer, tok = _manager(run)
-    ctx = {"run": C.validate(run), "manager": manager, "trainer": trainer, "tok": tok}
+    ctx = {"run": validate(run), "manager": manager, "trainer": trainer, "tok": tok}
     try:
         assert next(trainer.parameters()).is_cuda
         _perturb(trainer, 1)

@@ -8,6 +8,7 @@ import psutil
 import torch.distributed as dist
 
 from rollout.weights.rendezvous import open_store
+from rollout.weights.trainer_sync import TrainerWeightSync
 
 
 def _listening(port: int) -> list[str]:
@@ -31,9 +32,7 @@ def test_store_binds_the_host_it_is_given():
 
 
 def test_the_trainer_side_of_weight_sync_binds_loopback():
-    from rollout.serving.cluster import _TrainerSync
-
-    sync = _TrainerSync(bucket_bytes=1 << 20, timeout_s=10)
+    sync = TrainerWeightSync(bucket_bytes=1 << 20, timeout_s=10)
     try:
         assert _listening(sync.store.port) == ["127.0.0.1"]
         assert sync.worker_info(0)["host"] == "127.0.0.1"

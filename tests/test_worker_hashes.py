@@ -48,7 +48,9 @@ def hash_calls(monkeypatch):
 @pytest.mark.parametrize("forward", [True, False])
 def test_forwarded_hashes_are_used_instead_of_recomputed(hash_calls, forward):
     engine = _engine()
-    worker = EngineWorker(engine, "tcp://127.0.0.1:9", rank=0)  # never registers: no I/O needed
+    worker = EngineWorker(
+        engine, "tcp://127.0.0.1:9", rank=0, block_size=8
+    )  # no I/O: never registers
     try:
         hashes = compute_block_hashes_batched(PROMPT, 8)
         hash_calls.clear()
@@ -66,7 +68,7 @@ def test_forwarded_hashes_are_used_instead_of_recomputed(hash_calls, forward):
 
 def test_hashes_of_another_block_size_are_ignored(hash_calls):
     engine = _engine()
-    worker = EngineWorker(engine, "tcp://127.0.0.1:9", rank=0)
+    worker = EngineWorker(engine, "tcp://127.0.0.1:9", rank=0, block_size=8)
     try:
         wrong = pack_hashes(compute_block_hashes_batched(PROMPT, 16))  # 2 blocks, engine wants 4
         hash_calls.clear()

@@ -11,7 +11,8 @@ import pytest
 from fake_engine import Harness, reap, wait_until
 
 from rollout.sampling import SamplingParams
-from rollout.serving.worker import EngineWorker, build_engine
+from rollout.serving.factory import build_engine
+from rollout.serving.worker import EngineWorker
 
 pytestmark = pytest.mark.timeout(180)
 

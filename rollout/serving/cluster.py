@@ -6,8 +6,8 @@ restarts from the last weights pushed, `WeightSnapshot`), pushes weights to the 
 serving (`update_weights`: a SET_WEIGHT_VERSION control through the coordinator tells every worker
 to receive this version now, either by joining the trainer's gloo/NCCL group for a bucketed
 broadcast or, when they share the trainer's device, by mapping the buckets the trainer shared
-(rollout.weights.ipc); `_TrainerSync` is the trainer's side of both), and tears it all down: STOP,
-SHUTDOWN, join with timeouts, then SIGTERM/SIGKILL.
+(rollout.weights.ipc); `rollout.weights.trainer_sync.TrainerWeightSync` is the trainer's side of
+both), and tears it all down: STOP, SHUTDOWN, join with timeouts, then SIGTERM/SIGKILL.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
-import datetime
+import dataclasses
 import multiprocessing as mp
 import shutil
 import tempfile
@@ -30,24 +30,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from rollout.engine.config import InferenceConfig
+from rollout.serving.client import InferenceClient
+from rollout.serving.coordinator import DataParallelInferenceCoordinator
 from rollout.serving.event_loop import EventLoopManager
-from rollout.serving.factory import model_source_kwargs
-from rollout.serving.processes import _coordinator_spawn, stop_processes
+from rollout.serving.factory import build_engine, model_source_kwargs
+from rollout.serving.processes import stop_processes
 from rollout.serving.supervisor import EngineSupervisor, Event, RestartPolicy
-from rollout.weights import WeightSender, WeightSyncError, as_state_dict
-from rollout.weights.ipc import IpcSender
-from rollout.weights.rendezvous import (
-    COMMITTED_KEY,
-    GENERATION_KEY,
-    IPC_KEY,
-    LOOPBACK,
-    open_store,
-)
+from rollout.serving.worker import EngineWorker
+from rollout.weights.broadcast import WeightSyncError
 from rollout.weights.snapshot import WeightSnapshot
-
-IPC = "ipc"
-TRANSPORTS = ("auto", "broadcast", IPC)
-AUTO_IPC_DEVICES = ("cuda", "cpu")  # where "auto" hands weights over by ipc (docs/internals.md)
+from rollout.weights.state import as_state_dict
+from rollout.weights.trainer_sync import TRANSPORTS, TrainerWeightSync
 
 
 class EngineCluster:
@@ -115,8 +109,8 @@ class EngineCluster:
         self.coordinator_process: mp.Process | None = None
         self.engine_processes: list[mp.Process] = []
         self.address: str | None = None
-        self.client: Any = None
-        self.sync: _TrainerSync | None = None
+        self.client: InferenceClient | None = None
+        self.sync: TrainerWeightSync | None = None
         self.restart_policy = RestartPolicy.of(restart)
         self.snapshot = (WeightSnapshot(self._tmp, weights_snapshot)
                          if weight_sync and self.restart_policy.max_restarts > 0 else None)  # fmt: skip
@@ -149,25 +143,27 @@ class EngineCluster:
         return self
 
     def start_coordinator(self) -> str:
-        self.coordinator_process, self.address, self.auth_token = _coordinator_spawn(
-            30.0, self.coordinator_config
+        self.coordinator_process, self.address, self.auth_token = (
+            DataParallelInferenceCoordinator.spawn(30.0, **self.coordinator_config)
         )
         return self.address
 
     def start_engines(self) -> list[mp.Process]:
-
         if self.weight_sync:
             device = torch.device(self.factory_kwargs.get("device") or "cpu")
-            self.sync = _TrainerSync(self.bucket_bytes, self.sync_timeout_s,
-                                     self.weight_sync_transport, device)  # fmt: skip
+            self.sync = TrainerWeightSync(self.bucket_bytes, self.sync_timeout_s,
+                                          self.weight_sync_transport, device)  # fmt: skip
         for rank in range(self.num_engines):
             self.engine_processes.append(self._spawn_engine(rank, self.factory_kwargs))
         return self.engine_processes
 
     def _spawn_engine(self, rank: int, factory_kwargs: dict[str, Any]) -> mp.Process:
-        from rollout.serving.worker import EngineWorker, build_engine
-
-        wkw: dict[str, Any] = {**self.worker_options, "auth_token": self.auth_token}
+        wkw: dict[str, Any] = {
+            "block_size": factory_kwargs.get("block_size", InferenceConfig.block_size),
+            "capacity": factory_kwargs.get("max_requests", InferenceConfig.max_requests),
+            **self.worker_options,
+            "auth_token": self.auth_token,
+        }
         if self.sync is not None:
             wkw["weight_sync"] = self.sync.worker_info(rank)
         factory = self.engine_factory or build_engine
@@ -210,8 +206,6 @@ class EngineCluster:
 
     def wait_ready(self) -> None:
         """Connect the client, wait (STATS) until every engine registered, then supervise."""
-        from rollout.serving.client import InferenceClient
-
         self.loop.start()
 
         async def connect() -> Any:
@@ -359,188 +353,9 @@ class EngineCluster:
         self.close()
 
 
-CoordinatorRuntime = EngineCluster
-
-
-def _result(fut: concurrent.futures.Future, timeout: float) -> Any:
-    try:
-        return fut.result(timeout)
-    except concurrent.futures.TimeoutError:
-        raise WeightSyncError(f"engines did not ack the weight update within {timeout}s") from None
-
-
 def _icfg_dict(cfg: Any) -> dict[str, Any]:
     if cfg is None:
         return {}
     if isinstance(cfg, Mapping):
         return dict(cfg)
-    import dataclasses
-
     return dataclasses.asdict(cfg)
-
-
-# ---------------------------------------------------------------------------------------------
-# Trainer side of weight sync
-# ---------------------------------------------------------------------------------------------
-
-
-Announce = Callable[[], concurrent.futures.Future]  # sends SET_WEIGHT_VERSION; the acks
-
-
-class _TrainerSync:
-    """The trainer's side of weight sync. A persistent TCPStore (created now, so its port can go
-    to the workers at spawn) names each update's *generation*: its backend ("gloo"/"nccl": rank 0
-    of a process group, one rendezvous per generation; "ipc": the staged payload under IPC_KEY)
-    and members. A broken transfer bumps the generation and the next update builds a fresh group
-    without new ports."""
-
-    def __init__(
-        self,
-        bucket_bytes: int,
-        timeout_s: float,
-        transport: str = "auto",
-        engine_device: torch.device | None = None,
-    ) -> None:
-        self.bucket_bytes = bucket_bytes
-        self.timeout_s = timeout_s
-        self.transport = transport
-        self.engine_device = _indexed(engine_device or torch.device("cpu"))
-        self.backend = "nccl" if torch.cuda.is_available() else "gloo"
-        self.store = open_store(LOOPBACK, 0, timeout_s)  # loopback only: the store has no auth
-        self.generation = 0
-        self.generation_backend: str | None = None
-        self.members: list[tuple[int, int]] = []
-        self.sender: WeightSender | None = None
-        self.ipc: IpcSender | None = None
-
-    def transport_for(self, sd: Mapping[str, torch.Tensor]) -> str:
-        """ "ipc" or "broadcast" for an update of `sd` (engines are this host's processes)."""
-        if self.transport != "auto":
-            return self.transport
-        devices = {_indexed(t.device) for t in sd.values()}
-        same = devices == {self.engine_device}
-        return IPC if same and self.engine_device.type in AUTO_IPC_DEVICES else "broadcast"
-
-    def transfer(
-        self,
-        sd: dict[str, torch.Tensor],
-        version: int,
-        members: list[tuple[int, int]],
-        on_bucket: Any,
-        announce: Announce,
-    ) -> tuple[dict[int, dict], str, float]:
-        """Hand `version` to `members`; returns every engine's ack, the transport and the
-        trainer's seconds. Raises WeightSyncError when the trainer's side failed."""
-        if self.transport_for(sd) == IPC:
-            infos, seconds = self._transfer_ipc(sd, version, members, on_bucket, announce)
-            return infos, IPC, seconds
-        infos, seconds = self._transfer_broadcast(sd, version, members, on_bucket, announce)
-        return infos, "broadcast", seconds
-
-    def _transfer_broadcast(self, sd, version, members, on_bucket, announce):
-        self.prepare(members, self.backend)  # in the store before workers look
-        ack = announce()
-        result = None
-        if members:
-            try:
-                result = self.send(sd, version, on_bucket)
-            except BaseException as e:
-                broken = not isinstance(e, WeightSyncError) or e.transport_broken
-                if broken:  # rebuild the group next time (a new generation)
-                    self.broken()
-                infos = _result(ack, self.timeout_s)
-                if not isinstance(e, Exception):  # Ctrl-C / SystemExit: engines are safe, go on
-                    raise
-                raise WeightSyncError(
-                    f"weight update to version {version} failed ({e}); engines report "
-                    f"{ {r: i.get('weight_version') for r, i in infos.items()} }",
-                    transport_broken=broken,
-                ) from e
-        return _result(ack, self.timeout_s), result.seconds if result is not None else 0.0
-
-    def _transfer_ipc(self, sd, version, members, on_bucket, announce):
-        """Stage the buckets and publish their handles before announcing; free them once every
-        member answered (kept for the next version only if none was lost: a lost one may still
-        be reading)."""
-        self.prepare(members, IPC)
-        t0 = time.perf_counter()
-        staged = None
-        if members:
-            if self.ipc is None:
-                self.ipc = IpcSender(self.bucket_bytes)
-            self.ipc.bucket_bytes = self.bucket_bytes
-            try:
-                staged = self.ipc.stage(sd, version, on_bucket)
-            except Exception as e:
-                raise WeightSyncError(f"weight update to version {version} failed before any "
-                                      f"engine saw it ({e}); every engine keeps its weights") from e  # fmt: skip
-            self.store.set(IPC_KEY, staged.payload)
-        answered = False
-        try:
-            infos = _result(announce(), self.timeout_s)
-            answered = not any("lost" in i for i in infos.values())
-        finally:
-            if staged is not None:
-                staged.release(reuse=answered)
-        return infos, time.perf_counter() - t0
-
-    def worker_info(self, rank: int) -> dict[str, Any]:
-        return {"host": LOOPBACK, "port": self.store.port, "rank": rank,
-                "timeout_s": self.timeout_s}  # fmt: skip
-
-    def prepare(self, members: list[tuple[int, int]], backend: str) -> None:
-        """Announce this update's (rank, pid) members and backend: the same generation again, or
-        a new one when the last transfer broke, the serving engine processes or the backend
-        changed."""
-        group_gone = backend != IPC and self.sender is None
-        if group_gone or members != self.members or backend != self.generation_backend:
-            self.broken()
-            self.generation += 1
-            self.members, self.generation_backend = list(members), backend
-            ranks = ",".join(str(r) for r, _ in members)
-            self.store.set(GENERATION_KEY, f"{self.generation}:{backend}:{ranks}")
-
-    def commit(self, version: int) -> None:
-        """Record `version` as what every serving engine holds (engines that register later
-        compare theirs with it)."""
-        self.store.set(COMMITTED_KEY, str(version))
-
-    def send(self, sd: dict[str, torch.Tensor], version: int, on_bucket: Any) -> Any:
-        import torch.distributed as dist
-
-        if self.sender is None:
-            if dist.is_initialized():
-                raise RuntimeError(
-                    "torch.distributed is already initialised in the trainer process; engine "
-                    "weight sync needs the default group for itself (not supported yet)"
-                )
-            dist.init_process_group(
-                self.backend,
-                store=dist.PrefixStore(f"rollout/weight_sync/{self.generation}/", self.store),
-                rank=0,
-                world_size=len(self.members) + 1,
-                timeout=datetime.timedelta(seconds=self.timeout_s),
-            )
-            self.sender = WeightSender(bucket_bytes=self.bucket_bytes)
-        return self.sender.send(sd, version, on_bucket)
-
-    def broken(self) -> None:
-        import torch.distributed as dist
-
-        self.sender = None
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-
-    def close(self) -> None:
-        self.broken()
-        if self.ipc is not None:
-            self.ipc.close()
-        self.store = None
-
-
-def _indexed(device: torch.device) -> torch.device:
-    """`cuda` means the current device (index 0 in an engine process): compare with an index."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", 0)
-    return device

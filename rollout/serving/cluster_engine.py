@@ -1,52 +1,63 @@
-"""`ClusterEngine`: the engine interface RolloutManager drives, over an `EngineCluster`."""
+"""`ClusterEngine`: the engine protocol RolloutManager drives, over an `EngineCluster`."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+import queue
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from rollout.engine.interface import StepOutput
+from rollout.request import DynamicInferenceRequestRecord
+from rollout.sampling import SamplingParams
 from rollout.serving.cluster import EngineCluster
-
-
-class _StepOutput:
-    __slots__ = ("finished", "partials")
-
-    def __init__(self, finished: list) -> None:
-        self.finished, self.partials = finished, []
-
+from rollout.serving.replies import failed_record
 
 _WAKE = object()
 
 
 class ClusterEngine:
-    """`DynamicInferenceEngine`'s driving surface (add_request/step/abort/suspend/resume/
-    update_weights/stats) backed by an EngineCluster, so RolloutManager runs unchanged at dp=N.
+    """`rollout.engine.interface.EngineProtocol` backed by an EngineCluster, so RolloutManager
+    runs unchanged at dp=N.
 
     `step()` blocks (up to `step_timeout_s`, or until `wake()`) for finished records instead of
     computing: the engines run on their own. Records come back with the caller's request ids.
-    Per-token weight versions are stamped by the engines themselves.
+    Per-token weight versions are stamped by the engines themselves; prefix caches and their
+    evictions are the engines' and the coordinator's business (`pop_evicted_hashes` is empty).
+    `tokenizer` is the engines' (text prompts are tokenized in the engine processes).
     """
 
     model = None  # weights live in other processes; they validate every update themselves
 
-    def __init__(self, cluster: EngineCluster, step_timeout_s: float = 0.5) -> None:
-        import queue
-
+    def __init__(
+        self, cluster: EngineCluster, step_timeout_s: float = 0.5, tokenizer: Any = None
+    ) -> None:
         self.cluster = cluster
         self.step_timeout_s = step_timeout_s
+        self.tokenizer = tokenizer
         self.weight_version = int(cluster.factory_kwargs.get("weight_version", 0))
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         self._futures: dict[int, Any] = {}  # touched on the loop thread only
         self._pending = 0
+        self._discarded: set[int] = set()  # their records are dropped when they come back
         self.last_sync: dict[int, dict] = {}
         self.client_request_ids: dict[int, int] = {}  # ours -> the client's (schedule logs)
 
     # ---- requests -------------------------------------------------------------------------
 
-    def add_request(self, request_id: int, prompt: Any = None, sampling_params: Any = None) -> int:
+    def add_request(
+        self,
+        request_id: int,
+        prompt: Any = None,
+        sampling_params: SamplingParams | None = None,
+        record: DynamicInferenceRequestRecord | None = None,
+        precomputed_block_hashes: Sequence[int] | None = None,  # the coordinator hashes
+    ) -> int:
+        if record is not None:
+            raise ValueError("a ClusterEngine cannot resume a record: the coordinator moves "
+                             "requests between its engines itself")  # fmt: skip
         self._pending += 1
         self.cluster.loop.loop.call_soon_threadsafe(
             self._submit, request_id, prompt, sampling_params
@@ -74,7 +85,10 @@ class ClusterEngine:
         else:
             self._results.put((rid, fut.exception() or fut.result()))
 
-    def abort(self, request_id: int) -> None:
+    def abort(self, request_id: int) -> bool:
+        """Ask the cluster to stop the request; True even if it finishes first (its record
+        comes out of a later step either way)."""
+
         def run() -> None:
             fut = self._futures.get(request_id)
             if fut is not None and self.cluster.client is not None:
@@ -82,6 +96,12 @@ class ClusterEngine:
 
         with contextlib.suppress(RuntimeError):  # loop already stopped at shutdown
             self.cluster.loop.loop.call_soon_threadsafe(run)
+        return True
+
+    def discard(self, request_id: int) -> None:
+        """Abort it and drop its record when it comes back."""
+        self._discarded.add(request_id)
+        self.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self._pending > 0
@@ -90,11 +110,7 @@ class ClusterEngine:
         """Make a blocked step() return now (the manager has a command to run)."""
         self._results.put((None, _WAKE))
 
-    def step(self) -> _StepOutput:
-        import queue
-
-        from rollout.serving.worker import _failed_record
-
+    def step(self) -> StepOutput:
         items = []
         with contextlib.suppress(queue.Empty):
             items.append(self._results.get(timeout=self.step_timeout_s))
@@ -105,11 +121,21 @@ class ClusterEngine:
             if res is _WAKE:
                 continue
             self._pending -= 1
-            record = _failed_record(rid, res) if isinstance(res, BaseException) else res
+            if rid in self._discarded:
+                self._discarded.discard(rid)
+                continue
+            record = failed_record(rid, res) if isinstance(res, BaseException) else res
             for r in record.requests:
                 r.request_id = rid
             finished.append(record)
-        return _StepOutput(finished)
+        return StepOutput(finished)
+
+    def pop_evicted_hashes(self) -> list[int]:
+        return []
+
+    def load(self) -> dict[str, Any]:
+        """Requests submitted and not answered yet (each engine's own load is in `stats()`)."""
+        return {"pending": self._pending}
 
     # ---- lifecycle ------------------------------------------------------------------------
 

@@ -1,4 +1,11 @@
-"""Model source -> engine factory kwargs, so every engine process loads identical weights."""
+"""Model, tokenizer and engine from a source description: the one place they are built.
+
+A source is a preset name (random weights seeded so that every process building it gets the
+same ones) or an HF checkpoint directory. The trainer (rollout.config builders), the engine
+processes (`build_engine`, the default engine factory) and the cluster (`model_source_kwargs`:
+any model source -> the `build_engine` kwargs that load identical weights elsewhere) all build
+through here, so a trainer and its engines cannot disagree on how a source becomes a model.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +14,74 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
+from rollout.engine.config import InferenceConfig, resolve_dtype
+from rollout.engine.engine import DynamicInferenceEngine
+from rollout.models import (
+    ModelConfig,
+    build_model,
+    load_pretrained,
+    load_state_dict,
+    save_pretrained,
+)
 from rollout.models.config import MODEL_PRESETS
-from rollout.weights import as_state_dict
+from rollout.tokenizers import ByteTokenizer, load_tokenizer
+from rollout.weights.snapshot import load_snapshot
+from rollout.weights.state import as_state_dict
+
+
+def tokenizer_from_source(spec: str | None, source: str) -> Any:
+    """`spec`: "byte", "none" (None: token-id prompts only), a tokenizer directory, or None:
+    the byte tokenizer for a preset `source`, the checkpoint's own for a directory."""
+    if spec == "byte" or (spec is None and source in MODEL_PRESETS):
+        return ByteTokenizer()
+    if spec == "none":
+        return None
+    return load_tokenizer(spec or source)
+
+
+def model_from_source(
+    source: str,
+    *,
+    seed: int = 0,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    vocab_size: int | None = None,
+) -> tuple[nn.Module, ModelConfig]:
+    """(model, ModelConfig): a preset initialised from `seed` (with `vocab_size`, else the
+    preset's), or a checkpoint directory loaded on `device` (cpu when None). dtype None keeps
+    the model's (float32 for presets)."""
+    torch_dtype = resolve_dtype(dtype)
+    if source in MODEL_PRESETS:
+        config = ModelConfig.preset(source, vocab_size=vocab_size)
+        return build_model(config, device=device, dtype=torch_dtype, seed=seed), config
+    return load_pretrained(source, device=device or "cpu", dtype=torch_dtype)
+
+
+def build_engine(
+    model: str = "tiny",
+    seed: int = 0,
+    device: str | None = None,
+    dtype: str | None = None,
+    tokenizer: str | None = None,
+    vocab_size: int | None = None,
+    weight_version: int = 0,
+    weights_file: str | None = None,
+    **inference_config: Any,
+) -> DynamicInferenceEngine:
+    """Engine factory for worker processes: `model` is a source (`model_from_source`), a preset
+    takes the tokenizer's vocabulary unless `vocab_size`; `tokenizer` a spec
+    (`tokenizer_from_source`). `weights_file` (a rollout.weights.snapshot file) replaces the
+    source's weights: a restarted engine starts from the last weights pushed."""
+    tok = tokenizer_from_source(tokenizer, model)
+    vocab = vocab_size or (tok.vocab_size if tok is not None else None)
+    net, _ = model_from_source(model, seed=seed, device=device, dtype=dtype, vocab_size=vocab)
+    if weights_file is not None:
+        load_state_dict(net, load_snapshot(weights_file), strict=True)
+    cfg = InferenceConfig(device=device, dtype=dtype, **inference_config)
+    return DynamicInferenceEngine(net.eval(), tok, cfg, weight_version)
 
 
 def model_source_kwargs(
@@ -40,8 +111,6 @@ def model_source_kwargs(
 
 
 def _save_weights(model: Any, model_config: Any, path: Path) -> Path:
-    from rollout.models import build_model, load_state_dict, save_pretrained
-
     config = model_config if model_config is not None else getattr(model, "config", None)
     if config is None:
         raise ValueError("a state_dict model source needs model_config= (a ModelConfig)")
@@ -56,8 +125,6 @@ def _save_weights(model: Any, model_config: Any, path: Path) -> Path:
 
 
 def _tokenizer_source(tokenizer: Any, kw: dict, tmp: Callable[[], Path]) -> str | None:
-    from rollout.tokenizers import ByteTokenizer
-
     if tokenizer is None:
         return "byte" if kw["model"] in MODEL_PRESETS else None  # None: the checkpoint's own
     if isinstance(tokenizer, (str, os.PathLike)):

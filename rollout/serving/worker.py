@@ -16,8 +16,9 @@ group also checks the trainer's last committed weight version after registering 
 a worker whose versions are labels only adopts the coordinator's label instead (a relabel it
 missed while frozen would otherwise stay missed).
 
-Replies are split into frames under the coordinator's `max_frame_bytes` (it drops the connection
-of a peer whose frame is larger): a step that finishes many long records sends several frames.
+Replies are split into frames under the coordinator's `max_frame_bytes` (rollout.serving.replies);
+a request resumed from another engine's checkpoint continues from `rollout.serving.resume`.
+The engine is driven through `rollout.engine.interface.EngineProtocol` only.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ import numpy as np
 import torch
 import zmq
 
+from rollout.engine.config import InferenceConfig
+from rollout.engine.interface import EngineProtocol
 from rollout.protocol import (
     CONTROL_HEADERS,
-    MAX_BATCH_ROWS,
     MAX_FRAME_BYTES,
     Headers,
     ProtocolError,
@@ -48,15 +50,16 @@ from rollout.protocol import (
     pack_hashes,
     pack_tokens,
     pack_versions,
-    unpack_floats,
     unpack_hashes,
     unpack_obj,
     unpack_tokens_array,
-    unpack_versions,
 )
-from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord, Status
+from rollout.request import DynamicInferenceRequestRecord
 from rollout.sampling import SamplingParams
 from rollout.serving.gc_tuning import freeze_startup_heap
+from rollout.serving.processes import exit_on_signal, spawn_child
+from rollout.serving.replies import ROW_OVERHEAD, failed_record, frame_bounds, record_bytes
+from rollout.serving.resume import resume_record
 from rollout.tokenizers import tokenize_with
 from rollout.weights.engine_sync import EngineWeightSync
 
@@ -65,10 +68,6 @@ log = logging.getLogger(__name__)
 # Process exit codes a supervisor tells apart: 0 = told to stop; anything else = restart.
 EXIT_STALE_WEIGHTS = 3  # its weights are older than the committed ones: restart from current
 EXIT_COORDINATOR_LOST = 4  # the coordinator went silent or refused it
-# Bytes a reply row adds to its frame beyond the payload (msgpack list, id, bin headers), and a
-# frame beyond its rows: generous upper bounds, so a frame sized with them stays under the limit.
-ROW_OVERHEAD = 32
-FRAME_OVERHEAD = 64
 
 
 class StaleWeights(RuntimeError):
@@ -76,13 +75,19 @@ class StaleWeights(RuntimeError):
 
 
 class EngineWorker:
+    """One engine behind a DEALER socket. `block_size` is the engine's KV block size (forwarded
+    prefix hashes are used only when made with it) and `capacity` how many requests it runs at
+    once; both are announced at registration (defaults: the default InferenceConfig's)."""
+
     def __init__(
         self,
-        engine: Any,
+        engine: EngineProtocol,
         address: str,
         rank: int = 0,
         auth_token: str | None = None,
-        capacity: int | None = None,
+        *,
+        block_size: int = InferenceConfig.block_size,
+        capacity: int = InferenceConfig.max_requests,
         coordinator_timeout_s: float = 30.0,
         register_timeout_s: float = 30.0,
         weight_sync: dict | None = None,
@@ -91,15 +96,14 @@ class EngineWorker:
         self.address = address
         self.rank = rank
         self.auth_token = auth_token
-        cfg = getattr(engine, "config", None)
-        self.block_size = int(getattr(cfg, "block_size", 16))
-        self.capacity = capacity if capacity is not None else int(getattr(cfg, "max_requests", 0))
+        self.block_size = block_size
+        self.capacity = capacity
         self.coordinator_timeout_s = coordinator_timeout_s
         self.register_timeout_s = register_timeout_s
         self.heartbeat_s = 1.0
         self.paused = False
         self.suspended: str | None = None
-        self.weight_version = int(getattr(engine, "weight_version", 0))
+        self.weight_version = engine.weight_version
         self.max_frame_bytes = MAX_FRAME_BYTES  # the coordinator's, from its registration ack
         self.active: set[int] = set()  # request ids the coordinator believes we own
         self.running = False
@@ -269,9 +273,10 @@ class EngineWorker:
                 else prompt
             )
             if resume_tokens:
-                record = self._resume_record(
-                    rid, tokens, sp, resume_tokens, resume_log_probs, resume_versions
-                )
+                if isinstance(tokens, str):
+                    tokens = torch.tensor(self._tokenize(tokens), dtype=torch.int64)
+                record = resume_record(rid, tokens, sp, self.block_size, resume_tokens,
+                                       resume_log_probs, resume_versions)  # fmt: skip
                 if record.requests[-1].remaining_tokens_to_generate <= 0:
                     self._send_replies([record])
                     return
@@ -281,7 +286,7 @@ class EngineWorker:
                 self.engine.add_request(rid, tokens, sp, precomputed_block_hashes=forwarded)
             self.active.add(rid)
         except (ValueError, ProtocolError) as e:
-            self._send_replies([_failed_record(rid, e)])
+            self._send_replies([failed_record(rid, e)])
 
     def _forwarded_hashes(self, tokens: Any, packed: bytes | None) -> list[int] | None:
         """The coordinator's block hashes of a token prompt (hashed once, there), when they were
@@ -291,41 +296,11 @@ class EngineWorker:
         hashes = unpack_hashes(packed)
         return hashes if len(hashes) == len(tokens) // self.block_size else None
 
-    def _resume_record(self, rid, tokens, sp, resume_tokens, resume_log_probs, resume_versions):
-        """A record that already holds what the lost engine streamed, each token stamped with the
-        weight version that sampled it there (not ours: an update may have landed since, and
-        policy staleness is computed from these stamps); the engine continues it."""
-        if isinstance(tokens, str):
-            tokens = torch.tensor(self._tokenize(tokens), dtype=torch.int64)
-        req = DynamicInferenceRequest(
-            request_id=rid,
-            sampling_params=sp,
-            prompt_tokens=tokens,
-            block_size_tokens=self.block_size,
-        )
-        ids = unpack_tokens_array(resume_tokens).tolist()
-        lps, versions = unpack_floats(resume_log_probs), unpack_versions(resume_versions)
-        if len(versions) != len(ids) or len(lps) not in (0, len(ids)):
-            raise ValueError(
-                f"resume checkpoint of request {rid} has {len(ids)} tokens but {len(lps)} "
-                f"log-probs and {len(versions)} weight versions"
-            )
-        for i, (t, v) in enumerate(zip(ids, versions, strict=True)):
-            req.append_token(t, lps[i] if lps else None, None, v)
-        req.status = Status.ACTIVE_BUT_NOT_GENERATING_TOKENS
-        if req.remaining_tokens_to_generate <= 0:
-            req.status, req.stop_reason = Status.COMPLETED, "length"
-            req.add_event_finish()
-        return DynamicInferenceRequestRecord.from_request(req)
-
     def _tokenize(self, text: str) -> list[int]:
         """Tokenize exactly as the engine does for a new text prompt (BOS included)."""
-        tokenize = getattr(self.engine, "tokenize", None)
-        if tokenize is not None:
-            return list(tokenize(text))
-        if getattr(self.engine, "tokenizer", None) is None:
+        if self.engine.tokenizer is None:
             raise ValueError("cannot resume a text prompt: the engine has no tokenizer")
-        return tokenize_with(self.engine.tokenizer, text, bos=True)  # as engine.add_request
+        return tokenize_with(self.engine.tokenizer, text, bos=True)
 
     def _control(self, header: Headers, fields: list) -> None:
         seq, info = fields[0], {}
@@ -344,7 +319,7 @@ class EngineWorker:
                 self.suspended = None
         elif header is Headers.SET_WEIGHT_VERSION and self.sync is not None:
             info = self._receive_weights(fields[1])
-            self.weight_version = int(getattr(self.engine, "weight_version", self.weight_version))
+            self.weight_version = self.engine.weight_version
         elif header is Headers.SET_WEIGHT_VERSION:
             self.weight_version = fields[1]
             info["weight_version"] = fields[1]
@@ -389,44 +364,21 @@ class EngineWorker:
                 self._send_rows(Headers.REPLY_PARTIAL, rows, sizes)
         if out.finished:
             self._send_replies(out.finished)
-        evicted = self._pop_evicted()
+        evicted = self.engine.pop_evicted_hashes()  # keeps the coordinator's routing honest
         if evicted:
             self._send(Headers.KV_EVENTS, pack_hashes(evicted), False)
 
-    def _pop_evicted(self) -> list[int]:
-        """Block hashes the engine dropped from its prefix cache since the last call, if it
-        reports them (`pop_evicted_hashes()`); they keep the coordinator's routing table honest."""
-        pop = getattr(self.engine, "pop_evicted_hashes", None)
-        return list(pop()) if pop is not None else []
-
-    def _send_replies(self, records: list) -> None:
+    def _send_replies(self, records: list[DynamicInferenceRequestRecord]) -> None:
         rows = []
         for r in records:
-            rid = r.request_id
-            self.active.discard(rid)
-            blob = r.to_bytes()
-            if len(blob) + ROW_OVERHEAD + FRAME_OVERHEAD > self.max_frame_bytes:
-                # no frame can carry it: the request fails, saying why, instead of vanishing
-                blob = _failed_record(rid, ValueError(
-                    f"record of {len(blob)} bytes exceeds the coordinator's frame limit "
-                    f"(max_frame_bytes={self.max_frame_bytes})"
-                )).to_bytes()  # fmt: skip
-            rows.append([rid, blob])
+            self.active.discard(r.request_id)
+            rows.append([r.request_id, record_bytes(r, self.max_frame_bytes)])
         self.counters["replies"] += len(rows)
         self._send_rows(Headers.REPLY, rows, [len(b) + ROW_OVERHEAD for _, b in rows])
 
     def _send_rows(self, header: Headers, rows: list[list], sizes: list[int]) -> None:
-        """`rows` in frames of at most MAX_BATCH_ROWS rows and half the coordinator's frame limit
-        (it drops the connection of a peer that sends more); a row bigger than that (checked
-        to fit the limit) goes alone."""
-        budget = self.max_frame_bytes // 2
-        start, total = 0, 0
-        for i, size in enumerate(sizes):
-            if i > start and (total + size > budget or i - start >= MAX_BATCH_ROWS):
-                self._send(header, rows[start:i])
-                start, total = i, 0
-            total += size
-        self._send(header, rows[start:])
+        for start, stop in frame_bounds(sizes, self.max_frame_bytes):
+            self._send(header, rows[start:stop])
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
@@ -460,7 +412,7 @@ class EngineWorker:
         worker_kwargs: dict | None = None,
     ) -> None:
         """Child-process main: build the engine, serve, exit cleanly on SIGTERM."""
-        signal.signal(signal.SIGTERM, _exit_on_signal)
+        signal.signal(signal.SIGTERM, exit_on_signal)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
         torch.set_num_threads(int(os.environ.get("ROLLOUT_ENGINE_THREADS", "1")))
         engine = engine_factory(**(factory_kwargs or {}))
@@ -490,17 +442,11 @@ class EngineWorker:
     ) -> mp.Process:
         """Start a worker in a spawned child process (the factory must be importable). The child
         exits when this process dies (see rollout.serving.processes.spawn_child)."""
-        from rollout.serving.processes import spawn_child
-
         return spawn_child(
             cls.entrypoint,
             (address, rank, engine_factory, factory_kwargs, worker_kwargs),
             f"rollout-engine-{rank}",
         )
-
-
-def _exit_on_signal(signum: int, frame: Any) -> None:
-    raise SystemExit(0)
 
 
 def _plain(d: dict) -> dict:
@@ -512,51 +458,3 @@ def _plain(d: dict) -> dict:
         elif hasattr(v, "item"):
             out[str(k)] = v.item()
     return out
-
-
-def _failed_record(rid: int, error: Exception) -> DynamicInferenceRequestRecord:
-    req = DynamicInferenceRequest(request_id=rid, prompt_tokens=torch.zeros(0, dtype=torch.int64))
-    req.mark_failed(error)
-    return DynamicInferenceRequestRecord.from_request(req)
-
-
-def build_engine(
-    model: str = "tiny",
-    seed: int = 0,
-    device: str | None = None,
-    dtype: str | None = None,
-    tokenizer: str | None = None,
-    vocab_size: int | None = None,
-    weight_version: int = 0,
-    weights_file: str | None = None,
-    **inference_config: Any,
-) -> Any:
-    """Engine factory for worker processes: a preset ("tiny" | "small" | "medium": random weights
-    seeded so every process gets identical ones) or an HF checkpoint directory. `tokenizer` is
-    "byte", "none" (token-id prompts only), a tokenizer directory, or None (presets: byte;
-    checkpoints: the checkpoint's own). `weights_file` (a rollout.weights.snapshot file) replaces
-    the source's weights: a restarted engine starts from the last weights pushed."""
-    from rollout.engine.config import InferenceConfig, resolve_dtype
-    from rollout.engine.engine import DynamicInferenceEngine
-    from rollout.models import ModelConfig, build_model, load_pretrained
-    from rollout.tokenizers import ByteTokenizer, load_tokenizer
-
-    preset = model in ("tiny", "small", "medium")
-    if tokenizer == "byte" or (tokenizer is None and preset):
-        tok = ByteTokenizer()
-    elif tokenizer == "none":
-        tok = None
-    else:
-        tok = load_tokenizer(tokenizer or model)
-    if preset:
-        config = ModelConfig.preset(model, vocab_size=vocab_size or tok.vocab_size)
-        net = build_model(config, device=device, seed=seed)
-    else:
-        net, _ = load_pretrained(model, device=device or "cpu", dtype=resolve_dtype(dtype))
-    if weights_file is not None:
-        from rollout.models import load_state_dict
-        from rollout.weights.snapshot import load_snapshot
-
-        load_state_dict(net, load_snapshot(weights_file), strict=True)
-    cfg = InferenceConfig(device=device, dtype=dtype, **inference_config)
-    return DynamicInferenceEngine(net.eval(), tok, cfg, weight_version)

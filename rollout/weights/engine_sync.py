@@ -1,6 +1,7 @@
 """The engine's side of weight sync: find the update the trainer announced in the rendezvous
 store, receive it (a broadcast group or the IPC buckets), verify, apply. The trainer's side is
-`rollout.serving.cluster._TrainerSync`; the keys they share are in `rollout.weights.rendezvous`."""
+`rollout.weights.trainer_sync.TrainerWeightSync`; the keys they share are in
+`rollout.weights.rendezvous`."""
 
 from __future__ import annotations
 

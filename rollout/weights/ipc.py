@@ -50,7 +50,13 @@ from rollout.weights.layout import (
     bucket_checksum,
     plan_layout,
 )
-from rollout.weights.state import _target_tensors, as_state_dict, check_compatible, copy_weights_
+from rollout.weights.state import (
+    _target_tensors,
+    as_state_dict,
+    check_compatible,
+    copy_weights_,
+    state_dict_checksum,
+)
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 SHM_PREFIX = "rollout-weights-"  # every segment this module creates starts with it
@@ -434,8 +440,6 @@ def benchmark_ipc_sync(
         proc.join(30)
         if proc.is_alive():
             proc.kill()
-    from rollout.weights.state import state_dict_checksum
-
     src = torch.cat([t.reshape(-1).view(torch.uint8) for t in sd.values()])
     dst = torch.empty_like(src)
     copies = []
@@ -471,8 +475,6 @@ def _bench_state(nbytes: int, device: torch.device) -> dict[str, torch.Tensor]:
 
 
 def _bench_receiver(conn: Any, device: str, specs: list) -> None:
-    from rollout.weights.state import state_dict_checksum
-
     target = {name: torch.zeros(shape, device=device) for name, shape in specs}
     receiver = IpcReceiver(target)
     while payload := conn.recv_bytes():

@@ -16,7 +16,7 @@ import socket
 import torch.distributed as dist
 
 LOOPBACK = "127.0.0.1"
-# Keys the trainer writes and the engines read (rollout.serving.cluster, rollout.weights.engine_sync)
+# Keys the trainer writes and the engines read (weights.trainer_sync, weights.engine_sync)
 GENERATION_KEY = "rollout/weight_sync/generation"  # "<number>:<backend>:<member ranks, comma sep>"
 IPC_KEY = "rollout/weight_sync/ipc"  # the staged version's msgpack payload (backend "ipc")
 COMMITTED_KEY = "rollout/weight_sync/committed"  # the version last applied to every member

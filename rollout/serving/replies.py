@@ -1,0 +1,55 @@
+"""What an engine worker sends back: rows in frames under the coordinator's size limit, and the
+FAILED record of a request that ran nowhere.
+
+The coordinator's ROUTER drops the connection of a peer whose frame is larger than its
+`max_frame_bytes`, so a step that finishes many long records goes out as several frames, and a
+record too large for any frame is replaced by a FAILED one saying why (it fails instead of
+vanishing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from rollout.protocol import MAX_BATCH_ROWS
+from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord
+
+# Bytes a reply row adds to its frame beyond the payload (msgpack list, id, bin headers), and a
+# frame beyond its rows: generous upper bounds, so a frame sized with them stays under the limit.
+ROW_OVERHEAD = 32
+FRAME_OVERHEAD = 64
+
+
+def failed_record(request_id: int, error: BaseException) -> DynamicInferenceRequestRecord:
+    """The FAILED record of a request that produced none (refused, lost, or too large to send)."""
+    req = DynamicInferenceRequest(
+        request_id=request_id, prompt_tokens=torch.zeros(0, dtype=torch.int64)
+    )
+    req.mark_failed(error)
+    return DynamicInferenceRequestRecord.from_request(req)
+
+
+def record_bytes(record: DynamicInferenceRequestRecord, max_frame_bytes: int) -> bytes:
+    """`record` serialized, or a FAILED record in its place when no frame could carry it."""
+    blob = record.to_bytes()
+    if len(blob) + ROW_OVERHEAD + FRAME_OVERHEAD <= max_frame_bytes:
+        return blob
+    error = ValueError(f"record of {len(blob)} bytes exceeds the coordinator's frame limit "
+                       f"(max_frame_bytes={max_frame_bytes})")  # fmt: skip
+    return failed_record(record.request_id, error).to_bytes()
+
+
+def frame_bounds(sizes: list[int], max_frame_bytes: int) -> Iterator[tuple[int, int]]:
+    """(start, stop) of the rows of each frame, given each row's size: at most MAX_BATCH_ROWS
+    rows and half the frame limit per frame; a row bigger than that (checked to fit the limit)
+    goes alone. Always at least one frame."""
+    budget = max_frame_bytes // 2
+    start, total = 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and (total + size > budget or i - start >= MAX_BATCH_ROWS):
+            yield start, i
+            start, total = i, 0
+        total += size
+    yield start, len(sizes)

@@ -1,0 +1,198 @@
+"""The trainer's side of weight sync: hand each update to the serving engines, by broadcast or
+by shared buckets (ipc), and record what they all hold.
+
+A persistent TCPStore (created at construction, so its port can go to the engines when they are
+spawned) names each update's *generation*: its backend ("gloo"/"nccl": the trainer is rank 0 of
+a process group, one rendezvous per generation; "ipc": the staged payload under IPC_KEY) and its
+members. A broken transfer bumps the generation, and the next update builds a fresh group
+without new ports. The engine's side is `rollout.weights.engine_sync.EngineWeightSync`; the
+keys both sides use are in `rollout.weights.rendezvous`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import datetime
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rollout.weights.broadcast import WeightSender, WeightSyncError
+from rollout.weights.ipc import IpcSender
+from rollout.weights.rendezvous import (
+    COMMITTED_KEY,
+    GENERATION_KEY,
+    IPC_KEY,
+    LOOPBACK,
+    open_store,
+)
+
+IPC = "ipc"
+TRANSPORTS = ("auto", "broadcast", IPC)
+AUTO_IPC_DEVICES = ("cuda", "cpu")  # where "auto" hands weights over by ipc (docs/internals.md)
+
+Announce = Callable[[], concurrent.futures.Future]  # sends SET_WEIGHT_VERSION; the acks
+
+
+class TrainerWeightSync:
+    """The trainer's side of weight sync (see the module docstring). `transport`: "broadcast",
+    "ipc", or "auto" (ipc for updates whose tensors sit on `engine_device`, when that is one of
+    AUTO_IPC_DEVICES; broadcast otherwise)."""
+
+    def __init__(
+        self,
+        bucket_bytes: int,
+        timeout_s: float,
+        transport: str = "auto",
+        engine_device: torch.device | None = None,
+    ) -> None:
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        self.transport = transport
+        self.engine_device = _indexed(engine_device or torch.device("cpu"))
+        self.backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self.store = open_store(LOOPBACK, 0, timeout_s)  # loopback only: the store has no auth
+        self.generation = 0
+        self.generation_backend: str | None = None
+        self.members: list[tuple[int, int]] = []
+        self.sender: WeightSender | None = None
+        self.ipc: IpcSender | None = None
+
+    def transport_for(self, sd: Mapping[str, torch.Tensor]) -> str:
+        """ "ipc" or "broadcast" for an update of `sd` (engines are this host's processes)."""
+        if self.transport != "auto":
+            return self.transport
+        devices = {_indexed(t.device) for t in sd.values()}
+        same = devices == {self.engine_device}
+        return IPC if same and self.engine_device.type in AUTO_IPC_DEVICES else "broadcast"
+
+    def transfer(
+        self,
+        sd: dict[str, torch.Tensor],
+        version: int,
+        members: list[tuple[int, int]],
+        on_bucket: Any,
+        announce: Announce,
+    ) -> tuple[dict[int, dict], str, float]:
+        """Hand `version` to `members`; returns every engine's ack, the transport and the
+        trainer's seconds. Raises WeightSyncError when the trainer's side failed."""
+        if self.transport_for(sd) == IPC:
+            infos, seconds = self._transfer_ipc(sd, version, members, on_bucket, announce)
+            return infos, IPC, seconds
+        infos, seconds = self._transfer_broadcast(sd, version, members, on_bucket, announce)
+        return infos, "broadcast", seconds
+
+    def _transfer_broadcast(self, sd, version, members, on_bucket, announce):
+        self.prepare(members, self.backend)  # in the store before workers look
+        ack = announce()
+        result = None
+        if members:
+            try:
+                result = self.send(sd, version, on_bucket)
+            except BaseException as e:
+                broken = not isinstance(e, WeightSyncError) or e.transport_broken
+                if broken:  # rebuild the group next time (a new generation)
+                    self.broken()
+                infos = _result(ack, self.timeout_s)
+                if not isinstance(e, Exception):  # Ctrl-C / SystemExit: engines are safe, go on
+                    raise
+                raise WeightSyncError(
+                    f"weight update to version {version} failed ({e}); engines report "
+                    f"{ {r: i.get('weight_version') for r, i in infos.items()} }",
+                    transport_broken=broken,
+                ) from e
+        return _result(ack, self.timeout_s), result.seconds if result is not None else 0.0
+
+    def _transfer_ipc(self, sd, version, members, on_bucket, announce):
+        """Stage the buckets and publish their handles before announcing; free them once every
+        member answered (kept for the next version only if none was lost: a lost one may still
+        be reading)."""
+        self.prepare(members, IPC)
+        t0 = time.perf_counter()
+        staged = None
+        if members:
+            if self.ipc is None:
+                self.ipc = IpcSender(self.bucket_bytes)
+            self.ipc.bucket_bytes = self.bucket_bytes
+            try:
+                staged = self.ipc.stage(sd, version, on_bucket)
+            except Exception as e:
+                raise WeightSyncError(f"weight update to version {version} failed before any "
+                                      f"engine saw it ({e}); every engine keeps its weights") from e  # fmt: skip
+            self.store.set(IPC_KEY, staged.payload)
+        answered = False
+        try:
+            infos = _result(announce(), self.timeout_s)
+            answered = not any("lost" in i for i in infos.values())
+        finally:
+            if staged is not None:
+                staged.release(reuse=answered)
+        return infos, time.perf_counter() - t0
+
+    def worker_info(self, rank: int) -> dict[str, Any]:
+        return {"host": LOOPBACK, "port": self.store.port, "rank": rank,
+                "timeout_s": self.timeout_s}  # fmt: skip
+
+    def prepare(self, members: list[tuple[int, int]], backend: str) -> None:
+        """Announce this update's (rank, pid) members and backend: the same generation again, or
+        a new one when the last transfer broke, the serving engine processes or the backend
+        changed."""
+        group_gone = backend != IPC and self.sender is None
+        if group_gone or members != self.members or backend != self.generation_backend:
+            self.broken()
+            self.generation += 1
+            self.members, self.generation_backend = list(members), backend
+            ranks = ",".join(str(r) for r, _ in members)
+            self.store.set(GENERATION_KEY, f"{self.generation}:{backend}:{ranks}")
+
+    def commit(self, version: int) -> None:
+        """Record `version` as what every serving engine holds (engines that register later
+        compare theirs with it)."""
+        self.store.set(COMMITTED_KEY, str(version))
+
+    def send(self, sd: dict[str, torch.Tensor], version: int, on_bucket: Any) -> Any:
+        if self.sender is None:
+            if dist.is_initialized():
+                raise RuntimeError(
+                    "torch.distributed is already initialised in the trainer process; engine "
+                    "weight sync needs the default group for itself (not supported yet)"
+                )
+            dist.init_process_group(
+                self.backend,
+                store=dist.PrefixStore(f"rollout/weight_sync/{self.generation}/", self.store),
+                rank=0,
+                world_size=len(self.members) + 1,
+                timeout=datetime.timedelta(seconds=self.timeout_s),
+            )
+            self.sender = WeightSender(bucket_bytes=self.bucket_bytes)
+        return self.sender.send(sd, version, on_bucket)
+
+    def broken(self) -> None:
+        self.sender = None
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+    def close(self) -> None:
+        self.broken()
+        if self.ipc is not None:
+            self.ipc.close()
+        self.store = None
+
+
+def _result(fut: concurrent.futures.Future, timeout: float) -> Any:
+    try:
+        return fut.result(timeout)
+    except concurrent.futures.TimeoutError:
+        raise WeightSyncError(f"engines did not ack the weight update within {timeout}s") from None
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """`cuda` means the current device (index 0 in an engine process): compare with an index."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", 0)
+    return device
