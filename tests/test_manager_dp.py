@@ -15,7 +15,8 @@ from rollout.engine.engine import DynamicInferenceEngine
 from rollout.rl.manager import RolloutManager
 from rollout.rl.samples import _token_times
 from rollout.sampling import SamplingParams
-from rollout.weights import WeightSyncError, state_dict_checksum
+from rollout.weights.broadcast import WeightSyncError
+from rollout.weights.state import state_dict_checksum
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -44,7 +44,7 @@ from rollout.rl.driver import EngineDriver
 from rollout.rl.samples import Sample, collate, request_error
 from rollout.rl.staleness import Group, VersionHistory, hand_out, stale_indices
 from rollout.sampling import SamplingParams
-from rollout.weights import as_state_dict, check_compatible
+from rollout.weights.state import as_state_dict, check_compatible
 
 log = logging.getLogger(__name__)
 
