@@ -15,9 +15,9 @@ import time
 import pytest
 import torch
 from fake_engine import reap, wait_for
+from reference import tiny_model
 
 from rollout import LLM, InferenceConfig, SamplingParams
-from rollout.models import ModelConfig, build_model
 from rollout.serving.cluster import EngineCluster
 from rollout.serving.supervisor import EngineSupervisor, RestartPolicy
 from rollout.serving.worker import EXIT_STALE_WEIGHTS
@@ -46,14 +46,25 @@ def _greedy(model: torch.nn.Module, prompts=PROMPTS) -> list[list[int]]:
 # ---- the restart policy and the supervisor on plain processes -------------------------------
 
 
-def test_restart_policy_validates_and_backs_off():
+def test_restart_policy_backs_off():
     p = RestartPolicy(max_restarts=3, backoff_s=0.5, backoff_max_s=3.0)
     assert [p.delay(k) for k in range(4)] == [0.5, 1.0, 2.0, 3.0]
     assert RestartPolicy.of({"max_restarts": 0}).max_restarts == 0
-    for bad in ({"max_restarts": -1}, {"max_restarts": 1.5}, {"window_s": 0},
-                {"backoff_s": 5.0, "backoff_max_s": 1.0}):  # fmt: skip
-        with pytest.raises(ValueError):
-            RestartPolicy(**bad)
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"max_restarts": -1}, "max_restarts"),
+        ({"max_restarts": 1.5}, "max_restarts"),
+        ({"window_s": 0}, "window_s"),
+        ({"backoff_s": 5.0, "backoff_max_s": 1.0}, r"backoff_s \(5.0\) <= backoff_max_s"),
+    ],
+    ids=["negative-restarts", "float-restarts", "zero-window", "backoff-above-max"],
+)
+def test_restart_policy_rejects_bad_values(bad, match):
+    with pytest.raises(ValueError, match=match):
+        RestartPolicy(**bad)
 
 
 def _exit_with(code: int) -> None:
@@ -115,7 +126,7 @@ def test_hung_engine_is_readmitted_paused_and_restarted_when_it_missed_an_update
     while a pause goes out; SIGCONT: the same process re-registers, adopts PAUSED, serves after
     UNPAUSE. Stopped again across a weight update: it comes back, finds it missed the update and
     is replaced by an engine with the committed weights."""
-    model = build_model(ModelConfig.preset("tiny", vocab_size=259), seed=3).eval()
+    model = tiny_model(seed=3)
     cluster = EngineCluster(
         2, model, tokenizer=ByteTokenizer(), inference_config={"num_blocks": 64},
         coordinator=FAST, restart={"backoff_s": 0.1}, sync_timeout_s=30,
@@ -170,7 +181,7 @@ async def _gather(futs):
 
 
 def test_llm_engine_killed_update_weights_completes_and_restart_serves_current_weights():
-    model = build_model(ModelConfig.preset("tiny", vocab_size=259), seed=3).eval()
+    model = tiny_model(seed=3)
     llm = LLM(model, ByteTokenizer(), InferenceConfig(num_blocks=64), use_coordinator=True,
               data_parallel_size=2, coordinator=FAST)  # fmt: skip
     cluster = llm.cluster
@@ -201,7 +212,7 @@ def test_llm_engine_killed_update_weights_completes_and_restart_serves_current_w
 
 
 def test_restart_limit_reached_leaves_the_rank_down_and_the_rest_serving():
-    model = build_model(ModelConfig.preset("tiny", vocab_size=259), seed=3).eval()
+    model = tiny_model(seed=3)
     events: list[tuple[str, int]] = []
     cluster = EngineCluster(
         2, model, tokenizer=ByteTokenizer(), inference_config={"num_blocks": 64},
@@ -225,7 +236,7 @@ def test_restart_limit_reached_leaves_the_rank_down_and_the_rest_serving():
 def test_rollout_manager_dp2_engine_killed_mid_generation_is_restarted_with_current_weights():
     from rollout.rl.manager import RolloutManager, RolloutManagerConfig
 
-    model = build_model(ModelConfig.preset("tiny", vocab_size=259), seed=3).eval()
+    model = tiny_model(seed=3)
     m = RolloutManager(
         RolloutManagerConfig(dp=2), model=model, tokenizer=ByteTokenizer(),
         inference_config=InferenceConfig(num_blocks=64, streaming_interval=4),
