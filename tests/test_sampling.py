@@ -115,17 +115,22 @@ def test_replace_validates_and_copies():
         sp.replace(bogus=1)
 
 
-def test_deserialize_rejects_unknown_keys_and_non_dict():
-    with pytest.raises(ValueError, match="nope"):
-        SamplingParams.deserialize({"temperature": 0.5, "nope": 1})
-    with pytest.raises(ValueError, match="dict"):
-        SamplingParams.deserialize([("temperature", 0.5)])
+@pytest.mark.parametrize(
+    "obj, match",
+    [
+        ({"temperature": 0.5, "nope": 1}, "nope"),
+        ([("temperature", 0.5)], "dict"),
+        ({"top_p": 2.0}, "top_p"),
+    ],
+    ids=["unknown-key", "not-a-dict", "top-p-above-1"],
+)
+def test_deserialize_rejects_unknown_keys_non_dicts_and_bad_values(obj, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams.deserialize(obj)
+
+
+def test_deserialize_of_a_partial_dict_fills_defaults():
     assert SamplingParams.deserialize({"top_k": 5}) == SamplingParams(top_k=5)
-
-
-def test_deserialize_validates():
-    with pytest.raises(ValueError, match="top_p"):
-        SamplingParams.deserialize({"top_p": 2.0})
 
 
 @pytest.mark.parametrize("field, value", INVALID)
