@@ -399,7 +399,7 @@ def test_forward_paged_zero_copy_and_shared_prefix_paths():
     step([("p", 0, 40), ("long", 0, 43), ("short", 0, 10)])
     plan = step([("s0", 40, 43), ("s1", 40, 43), ("s2", 40, 43), ("long", 43, 44),
                  ("short", 10, 11)])  # fmt: skip
-    firsts = [p[3] for p in plan.prefills]
+    firsts = [p.first for p in plan.prefills]
     assert firsts == [0, None, None] and len(plan.decode_views) == 1  # s0 slice, s1/s2 gather
     for t in range(3):
         plan = step([(f"s{i}", 43 + t, 44 + t) for i in range(3)]

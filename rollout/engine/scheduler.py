@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from rollout.engine.block_manager import BlockManager
 from rollout.engine.config import InferenceConfig
@@ -27,6 +28,42 @@ ScheduledBatch = list[tuple[Sequence, int]]  # (sequence, tokens to compute this
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclass
+class _Step:
+    """What one `schedule()` call has handed out so far: the batch and the token budget left."""
+
+    budget: int
+    chunked_prefill: bool
+    batch: ScheduledBatch = field(default_factory=list)
+    prefilling: bool = False  # a prefill (more than one token) is in the batch
+
+    def chunk(self, need: int) -> int:
+        """Tokens to compute out of `need`, under the remaining budget."""
+        if need <= self.budget:
+            return need
+        if not self.chunked_prefill:
+            # One over-budget prefill may run (with decodes) rather than wait forever.
+            return 0 if self.prefilling else need
+        n = self.budget
+        if need - n == 1 and n > 1:
+            n -= 1  # never leave a 1-token tail
+        return n
+
+    def take(self, seq: Sequence, n: int) -> None:
+        self.batch.append((seq, n))
+        self.budget -= n
+        if n > 1:
+            self.prefilling = True
+
+    def give_back(self, seq: Sequence) -> None:
+        """Take `seq` out of the batch (if it is in) and refund its tokens."""
+        for i, (s, n) in enumerate(self.batch):
+            if s is seq:
+                del self.batch[i]
+                self.budget += n
+                return
 
 
 class Scheduler:
@@ -64,64 +101,39 @@ class Scheduler:
 
     # -- one step -----------------------------------------------------------------------------
     def schedule(self, version: int) -> ScheduledBatch:
-        batch: ScheduledBatch = []
-        self._budget = self.config.max_tokens_per_step
-        self._prefilling = False
+        step = _Step(self.config.max_tokens_per_step, self.config.enable_chunked_prefill)
         decodes = [s for s in self.running if s.num_uncomputed == 1]
         prefills = [s for s in self.running if s.num_uncomputed > 1]
         for seq in decodes + prefills:
             if seq in self.running:  # not evicted by an earlier sequence of this loop
                 try:
-                    self._schedule_running(seq, batch, version)
+                    self._schedule_running(seq, step, version)
                 except Exception as e:
-                    self._fault(seq, batch, e)
-        self._admit(batch, version)
-        return batch
+                    self._fault(seq, step, e)
+        self._admit(step, version)
+        return step.batch
 
-    def _fault(self, seq: Sequence, batch: ScheduledBatch, error: Exception) -> None:
+    def _fault(self, seq: Sequence, step: _Step, error: Exception) -> None:
         """Take `seq` out of this step and of the queues, free its blocks, report it."""
-        for i, (s, n) in enumerate(batch):
-            if s is seq:
-                del batch[i]
-                self._budget += n
-                break
+        step.give_back(seq)
         self.remove(seq)
         self.on_fault(seq, error)
 
-    def _chunk(self, need: int) -> int:
-        """Tokens to compute out of `need`, under the remaining budget."""
-        budget = self._budget
-        if need <= budget:
-            return need
-        if not self.config.enable_chunked_prefill:
-            # One over-budget prefill may run (with decodes) rather than wait forever.
-            return 0 if self._prefilling else need
-        n = budget
-        if need - n == 1 and n > 1:
-            n -= 1  # never leave a 1-token tail
-        return n
-
-    def _take(self, seq: Sequence, n: int, batch: ScheduledBatch) -> None:
-        batch.append((seq, n))
-        self._budget -= n
-        if n > 1:
-            self._prefilling = True
-
-    def _schedule_running(self, seq: Sequence, batch: ScheduledBatch, version: int) -> None:
+    def _schedule_running(self, seq: Sequence, step: _Step, version: int) -> None:
         if not seq.block_table:  # KV dropped (recompute): reuse what the cache still has
             self._reuse_prefix(seq, version)
-        n = self._chunk(seq.num_uncomputed)
+        n = step.chunk(seq.num_uncomputed)
         if n <= 0:
             return
         need = _cdiv(seq.num_computed + n, self.blocks.block_size) - len(seq.block_table)
         while need > 0 and not self.blocks.can_allocate(need):
             victim = self.running[-1]
-            self._evict(victim, batch)
+            self._evict(victim, step)
             if victim is seq:
                 return
         if need > 0:
             seq.block_table.extend(self._allocate(seq, seq.block_table, need, seq.num_computed + n))
-        self._take(seq, n, batch)
+        step.take(seq, n)
 
     def _allocate(self, seq: Sequence, table: list[int], need: int, end: int) -> list[int]:
         """`need` blocks continuing `table` where possible, with room for the rest of the
@@ -131,31 +143,27 @@ class Scheduler:
         room = max(0, _cdiv(total, bs) - _cdiv(end, bs))
         return self.blocks.allocate(need, after=table[-1] if table else None, room=room)
 
-    def _evict(self, seq: Sequence, batch: ScheduledBatch) -> None:
-        for i, (s, n) in enumerate(batch):
-            if s is seq:
-                del batch[i]
-                self._budget += n
-                break
+    def _evict(self, seq: Sequence, step: _Step) -> None:
+        step.give_back(seq)
         self.running.remove(seq)
         self.blocks.free(seq.drop_kv())
         self.on_evict(seq)
         self.waiting.appendleft(seq)
         self.num_evictions += 1
 
-    def _admit(self, batch: ScheduledBatch, version: int) -> None:
+    def _admit(self, step: _Step, version: int) -> None:
         pending = self._pending_hashes() if self.blocks.enable_prefix_caching else set()
         i = 0
         while (
             i < len(self.waiting)
             and len(self.running) < self.config.max_requests
-            and self._budget > 0
+            and step.budget > 0
         ):
             seq = self.waiting[i]
             try:
-                admitted = self._admit_one(seq, batch, version, pending)
+                admitted = self._admit_one(seq, step, version, pending)
             except Exception as e:
-                self._fault(seq, batch, e)
+                self._fault(seq, step, e)
                 continue
             if admitted is None:
                 break  # FIFO: nobody overtakes the head for resources
@@ -163,7 +171,7 @@ class Scheduler:
                 i += 1
 
     def _admit_one(
-        self, seq: Sequence, batch: ScheduledBatch, version: int, pending: set[int]
+        self, seq: Sequence, step: _Step, version: int, pending: set[int]
     ) -> bool | None:
         """Admit the waiting `seq`: True when admitted, False when it waits for a block another
         sequence computes now (it keeps its place), None when resources are short."""
@@ -176,7 +184,7 @@ class Scheduler:
             self.blocks.free(seq.drop_kv())  # its next block is being computed: retry next step
             return False
         start = len(hits) * bs
-        n = self._chunk(len(seq.tokens) - start)
+        n = step.chunk(len(seq.tokens) - start)
         need = _cdiv(start + n, bs) - len(hits)
         if n <= 0 or not self.blocks.can_allocate(need):
             self.blocks.free(seq.drop_kv())
@@ -187,7 +195,7 @@ class Scheduler:
         seq.num_registered = len(hits)
         self.running.append(seq)
         self.on_admit(seq, start)
-        self._take(seq, n, batch)
+        step.take(seq, n)
         if caching and seq.cacheable:
             pending.update(hashes[len(hits) :])
         return True

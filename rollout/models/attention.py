@@ -157,6 +157,59 @@ def _run_start(table: Sequence[int], n: int) -> int | None:
     return first if list(table[:n]) == list(range(first, first + n)) else None
 
 
+@dataclass
+class PrefillChunk:
+    """One prefill chunk (query length > 1): rows [start, end) attend over `ctx` keys."""
+
+    start: int
+    end: int
+    ctx: int
+    first: int | None  # first pool slot when the context is one contiguous run (CPU), else None
+    blocks: torch.Tensor  # [ceil(ctx / block_size)] block ids to gather the context from
+    mask: torch.Tensor | None  # [q, ctx] True = attend; None: no earlier context, plain causal
+
+
+@dataclass
+class _Rows:
+    """Per-sequence facts every part of the plan reads (python lists: no device syncs)."""
+
+    q_lens: list[int]
+    ctx: list[int]
+    starts: list[int]  # first row of each sequence in the flattened batch, then the total
+    nblocks: list[int]  # blocks covering each context
+    tables: list[list[int]]  # block tables as lists
+    block_size: int
+
+
+def _rows_of(meta: PagedAttentionMetadata, block_size: int, num_tokens: int) -> _Rows:
+    """Read (and check) query and context lengths; ValueError when they do not fit the batch."""
+    q_lens = meta.query_lens_list
+    if q_lens is None:
+        q_lens = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).tolist()
+    ctx = meta.context_lens_list
+    if ctx is None:
+        ctx = meta.context_lens.tolist()
+    if len(q_lens) != len(ctx) or sum(q_lens) != num_tokens:
+        raise ValueError(
+            f"metadata covers {sum(q_lens)} tokens in {len(q_lens)} sequences, "
+            f"but the batch has {num_tokens} tokens and context_lens has {len(ctx)} entries"
+        )
+    bad = [i for i, (q, c) in enumerate(zip(q_lens, ctx, strict=True)) if not 0 < q <= c]
+    if bad:
+        i = bad[0]
+        raise ValueError(
+            f"sequence {i}: need 0 < query_len <= context_len, got {q_lens[i]}, {ctx[i]}"
+        )
+    tables = meta.block_tables_list
+    if tables is None:
+        tables = meta.block_tables.tolist()
+    starts = [0]
+    for q in q_lens:
+        starts.append(starts[-1] + q)
+    nblocks = [-(-c // block_size) for c in ctx]
+    return _Rows(q_lens, ctx, starts, nblocks, tables, block_size)
+
+
 class AttentionPlan:
     """Groups, gather indices and masks derived from the metadata, shared by every layer."""
 
@@ -168,98 +221,85 @@ class AttentionPlan:
         num_blocks: int | None = None,
     ) -> None:
         """num_blocks: the pool size, which lets CPU decode read shared prefixes in place."""
-        q_lens = meta.query_lens_list
-        if q_lens is None:
-            q_lens = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).tolist()
-        ctx = meta.context_lens_list
-        if ctx is None:
-            ctx = meta.context_lens.tolist()
-        if len(q_lens) != len(ctx) or sum(q_lens) != num_tokens:
-            raise ValueError(
-                f"metadata covers {sum(q_lens)} tokens in {len(q_lens)} sequences, "
-                f"but the batch has {num_tokens} tokens and context_lens has {len(ctx)} entries"
-            )
-        bad = [i for i, (q, c) in enumerate(zip(q_lens, ctx, strict=True)) if not 0 < q <= c]
-        if bad:
-            i = bad[0]
-            raise ValueError(
-                f"sequence {i}: need 0 < query_len <= context_len, got {q_lens[i]}, {ctx[i]}"
-            )
+        r = _rows_of(meta, block_size, num_tokens)
         device = meta.block_tables.device
+        zero_copy = device.type == "cpu"  # read contiguous runs of the pool in place
         self.slot_mapping = meta.slot_mapping.to(torch.long)
         tables = meta.block_tables.to(torch.long)
-        tl = meta.block_tables_list
-        if tl is None:
-            tl = tables.tolist()
-        starts = [0]
-        for q in q_lens:
-            starts.append(starts[-1] + q)
-        nblocks = [-(-c // block_size) for c in ctx]
-        zero_copy = device.type == "cpu"
 
-        decode = [i for i, q in enumerate(q_lens) if q == 1]
+        decode = [i for i, q in enumerate(r.q_lens) if q == 1]
         self.shared_batches: list[SharedPrefixBatch] = []
         self.shared_views: list[SharedPrefixView] = []
         if len(decode) > 1:
             shared = plan_shared_prefix(
-                [starts[i] for i in decode], [tl[i][: nblocks[i]] for i in decode],
-                [ctx[i] for i in decode], block_size, device,
+                [r.starts[i] for i in decode], [r.tables[i][: r.nblocks[i]] for i in decode],
+                [r.ctx[i] for i in decode], block_size, device,
                 pool_blocks=num_blocks if zero_copy else None,
             )  # fmt: skip
             self.shared_batches, self.shared_views = shared.batches, shared.views
             decode = [decode[j] for j in shared.rest]
         # (row, first slot, length): decode rows read in place from the pool
-        self.decode_views: list[tuple[int, int, int]] = []
-        batched = []
-        for i in decode:
-            first = (
-                _run_start(tl[i], nblocks[i]) if zero_copy and ctx[i] >= VIEW_MIN_TOKENS else None
-            )
-            if first is None:
-                batched.append(i)
-            else:
-                self.decode_views.append((starts[i], first * block_size, ctx[i]))
-        rows = [r for r, _, _ in self.decode_views]
+        self.decode_views, batched = _split_views(r, decode, zero_copy)
+        rows = [row for row, _, _ in self.decode_views]
         self.views_are_all_rows = rows == list(range(num_tokens))  # every row, in order
         self.view_rows = torch.tensor(rows, dtype=torch.long, device=device)
+        buckets = _bucket_by_length(batched, [r.nblocks[i] for i in batched])
+        self.decode_groups = [_decode_group(r, b, tables, num_tokens) for b in buckets]
+        self.prefills = [_prefill_chunk(r, i, tables, zero_copy)
+                         for i, q in enumerate(r.q_lens) if q > 1]  # fmt: skip
 
-        self.decode_groups: list[DecodeGroup] = []
-        buckets = _bucket_by_length(batched, [nblocks[i] for i in batched])
-        for bucket in buckets:
-            num_blocks = max(nblocks[i] for i in bucket)
-            identity = len(bucket) == num_tokens  # every row, in order
-            sel = torch.tensor(bucket, dtype=torch.long, device=device)
-            group_tables = tables if identity else tables.index_select(0, sel)
-            rows = None if identity else torch.tensor([starts[i] for i in bucket], device=device)
-            lens = torch.tensor([ctx[i] for i in bucket], device=device)
-            length = num_blocks * block_size
-            pos = torch.arange(length, device=device)
-            self.decode_groups.append(
-                DecodeGroup(
-                    rows=rows,
-                    blocks=group_tables[:, :num_blocks].reshape(-1),
-                    batch=len(bucket),
-                    length=length,
-                    mask=(pos[None, :] < lens[:, None])[:, None, None, :],  # [Bd, 1, 1, len]
-                )
-            )
 
-        # (start, end, ctx, first slot of a contiguous context or None, block ids, mask)
-        self.prefills: list[
-            tuple[int, int, int, int | None, torch.Tensor, torch.Tensor | None]
-        ] = []
-        for i, q in enumerate(q_lens):
-            if q == 1:
-                continue
-            blocks = tables[i, : nblocks[i]]
-            mask = first = None  # no earlier context: plain causal over the chunk's own K/V
-            if ctx[i] != q:
-                pos = torch.arange(ctx[i], device=device)
-                q_pos = torch.arange(ctx[i] - q, ctx[i], device=device)
-                mask = pos[None, :] <= q_pos[:, None]  # [q, ctx]
-                run = _run_start(tl[i], nblocks[i]) if zero_copy else None
-                first = None if run is None else run * block_size
-            self.prefills.append((starts[i], starts[i + 1], ctx[i], first, blocks, mask))
+def _split_views(
+    r: _Rows, decode: list[int], zero_copy: bool
+) -> tuple[list[tuple[int, int, int]], list[int]]:
+    """Decode sequences whose long enough context is one run of the pool, as (row, first slot,
+    length) views; the rest (to be batched)."""
+    views, batched = [], []
+    for i in decode:
+        long = zero_copy and r.ctx[i] >= VIEW_MIN_TOKENS
+        first = _run_start(r.tables[i], r.nblocks[i]) if long else None
+        if first is None:
+            batched.append(i)
+        else:
+            views.append((r.starts[i], first * r.block_size, r.ctx[i]))
+    return views, batched
+
+
+def _decode_group(
+    r: _Rows, bucket: list[int], tables: torch.Tensor, num_tokens: int
+) -> DecodeGroup:
+    """One padded SDPA call's worth of decode sequences (a length bucket)."""
+    device = tables.device
+    num_blocks = max(r.nblocks[i] for i in bucket)
+    identity = len(bucket) == num_tokens  # every row, in order
+    sel = torch.tensor(bucket, dtype=torch.long, device=device)
+    group_tables = tables if identity else tables.index_select(0, sel)
+    rows = None if identity else torch.tensor([r.starts[i] for i in bucket], device=device)
+    lens = torch.tensor([r.ctx[i] for i in bucket], device=device)
+    length = num_blocks * r.block_size
+    pos = torch.arange(length, device=device)
+    return DecodeGroup(
+        rows=rows,
+        blocks=group_tables[:, :num_blocks].reshape(-1),
+        batch=len(bucket),
+        length=length,
+        mask=(pos[None, :] < lens[:, None])[:, None, None, :],  # [Bd, 1, 1, len]
+    )
+
+
+def _prefill_chunk(r: _Rows, i: int, tables: torch.Tensor, zero_copy: bool) -> PrefillChunk:
+    """Sequence `i`'s prefill chunk: without earlier context, plain causal over its own K/V;
+    with it, a [q, ctx] mask over the pool run (CPU) or gathered blocks."""
+    q, ctx, device = r.q_lens[i], r.ctx[i], tables.device
+    blocks = tables[i, : r.nblocks[i]]
+    mask = first = None
+    if ctx != q:
+        pos = torch.arange(ctx, device=device)
+        q_pos = torch.arange(ctx - q, ctx, device=device)
+        mask = pos[None, :] <= q_pos[:, None]  # [q, ctx]
+        run = _run_start(r.tables[i], r.nblocks[i]) if zero_copy else None
+        first = None if run is None else run * r.block_size
+    return PrefillChunk(r.starts[i], r.starts[i + 1], ctx, first, blocks, mask)
 
 
 def paged_attention(
@@ -304,15 +344,15 @@ def paged_attention(
     # On CPU the flash kernel maps query heads to K/V heads itself (enable_gqa, no K/V copy);
     # CUDA's memory-efficient kernel does not, so there K/V are repeated over the GQA group.
     native_gqa = group > 1 and q.device.type == "cpu"
-    for start, end, ctx, first, blocks, mask in plan.prefills:
-        # a chunk without earlier context keeps the causal kernel
+    for p in plan.prefills:
+        start, end, ctx, first, mask = p.start, p.end, p.ctx, p.first, p.mask
         if mask is None:  # the chunk is the whole context: its own K/V, no cache read
             ks, vs = k[start:end], v[start:end]
         elif first is not None:
             ks, vs = k_flat[first : first + ctx], v_flat[first : first + ctx]
         else:
-            ks = _gather(k_cache, blocks, 1, -1)[0, :ctx]
-            vs = _gather(v_cache, blocks, 1, -1)[0, :ctx]
+            ks = _gather(k_cache, p.blocks, 1, -1)[0, :ctx]
+            vs = _gather(v_cache, p.blocks, 1, -1)[0, :ctx]
         ks = ks.transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, KVH, ctx, D]
         vs = vs.transpose(0, 1).unsqueeze(0).to(q.dtype)
         if group > 1 and not native_gqa:
