@@ -1,13 +1,15 @@
 """The shared GRPO recipe loop: build, supervised warm start, RL steps, logging, plots.
 
-One RL step (colocated; async skips suspend/resume because the engine never stops):
+One RL step drives the manager through the public `trainer_hooks.RolloutHooks` (colocated; in
+async mode the engine never stops, so nothing is suspended):
 
-    manager.resume() -> collect prompts_per_step groups x samples_per_prompt samples
-    -> manager.suspend()             (KV pool freed before the trainer's forward/backward)
+    with hooks.rollout():        manager.resume() ... manager.suspend() on the way out
+        evaluate (every recipe.eval_every steps), collect prompts_per_step groups x
+        samples_per_prompt samples
     -> old log-probs, recomputed by the trainer model under no_grad (the proximal policy)
     -> GRPO / PPO-clip loss with TIS against the engine's behaviour log-probs and a per-token
-       staleness mask -> optimizer step
-    -> manager.update_weights(model)  (the engine holds its own copy: this really syncs)
+       staleness mask -> hooks.on_before_optimizer (the engines must be suspended) -> optimizer
+    -> hooks.on_step_end: manager.update_weights(model)  (the engine holds its own copy)
     -> log rollout/*, engine/*, weight_sync/*, staleness/*, train/*
 
 The model is trained from scratch with a supervised warm start first, on the task's
@@ -21,13 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import math
 import os
 import random
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +38,22 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from rollout import config as C
+from recipes.config import lr_scheduler, task_of, validate_recipe
+from rollout.config.builders import (
+    build_logger,
+    build_manager,
+    build_model_and_tokenizer,
+    model_config,
+    resolve_device,
+    sampling_params,
+    to_dict,
+    wandb_dir,
+)
+from rollout.config.schema import HF_DIR, RunConfig
 from rollout.metrics import save_plot, staleness_summary
 from rollout.rl.manager import RolloutManager
 from rollout.rl.samples import Sample, collate
+from trainer_hooks.hooks import RolloutHooks
 from trainer_hooks.losses import group_advantages, policy_loss, sequence_log_probs
 
 REWARD_KEYS = ("train/reward", "train/accuracy", "train/eval_reward", "train/eval_accuracy")
@@ -77,7 +92,7 @@ def prompt_source(task: Any, tokenizer: Any, rng: random.Random) -> Iterator[dic
 
 
 def supervised_warm_start(
-    model: nn.Module, task: Any, tokenizer: Any, run: C.RunConfig, rng: random.Random
+    model: nn.Module, task: Any, tokenizer: Any, run: RunConfig, rng: random.Random
 ) -> dict[str, float]:
     """`trainer.warmup_sft_steps` teacher-forced steps on (prompt, answer, eos)."""
     t = run.trainer
@@ -139,11 +154,13 @@ def grpo_update(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     samples: list[Sample],
-    run: C.RunConfig,
+    run: RunConfig,
     pad_id: int,
     ref_model: nn.Module | None = None,
+    before_step: Callable[[], None] | None = None,
 ) -> dict[str, float]:
-    """One optimizer step per PPO epoch over the batch, in micro-batches of `trainer.batch`.
+    """One optimizer step per PPO epoch over the batch, in micro-batches of `trainer.batch`;
+    `before_step` runs before each (the hooks' check that the engines are suspended).
 
     Old (proximal) log-probs are recomputed once with the current weights; the engine's
     behaviour log-probs feed TIS and the mismatch metrics; tokens staler than
@@ -191,6 +208,8 @@ def grpo_update(
         if t.grad_clip:
             grad_norm = float(nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip))
         if not skip:
+            if before_step is not None:
+                before_step()
             optimizer.step()
     out = {k: v / calls for k, v in sums.items()}
     out.update(maxes)
@@ -237,26 +256,26 @@ def run_recipe(cfg: Any) -> dict[str, Any]:
 
     Returns the summary written to metrics.json (start/end rewards, wall time, paths).
     """
-    run = C.validate(cfg)
+    run = validate_recipe(cfg)
     with _cpu_threads(run):
         return _run(run)
 
 
-def _run(run: C.RunConfig) -> dict[str, Any]:
+def _run(run: RunConfig) -> dict[str, Any]:
     t_start = time.perf_counter()
     torch.manual_seed(run.recipe.seed)
     rng = random.Random(run.recipe.seed)
-    task = C.task_of(run)
-    model, tok, _ = C.build_model_and_tokenizer(run)
-    out_dir = Path(C.wandb_dir(run))
+    task = task_of(run)
+    model, tok, _ = build_model_and_tokenizer(run)
+    out_dir = Path(wandb_dir(run))
     out_dir.mkdir(parents=True, exist_ok=True)
-    logger = C.build_logger(run)
+    logger = build_logger(run)
     histograms = getattr(logger, "mode", "disabled") != "disabled"  # wandb.Histogram needs W&B
     manager = None
     try:
         sft = supervised_warm_start(model, task, tok, run, rng)
         ref_model = _frozen_copy(model) if run.trainer.kl_coef > 0 else None
-        manager = RolloutManager.from_config(run, model=model, tokenizer=tok)  # engine: own copy
+        manager = build_manager(run, model=model, tokenizer=tok)  # the engine: its own copy
         summary = _train(run, model, tok, task, manager, logger, rng, ref_model, sft, histograms)
     finally:
         if manager is not None:
@@ -271,7 +290,7 @@ def _run(run: C.RunConfig) -> dict[str, Any]:
 
 
 def _train(
-    run: C.RunConfig,
+    run: RunConfig,
     model: nn.Module,
     tok: Any,
     task: Any,
@@ -284,48 +303,50 @@ def _train(
 ) -> dict[str, Any]:
     t, r, colocated = run.trainer, run.rollout, run.rollout.mode.value == "colocated"
     stops = list(getattr(tok, "eos_ids", None) or [tok.eos_id])
-    sp = C.sampling_params(run, stop_token_ids=stops)
-    greedy = C.sampling_params(run, stop_token_ids=stops, temperature=0.0, top_k=0, top_p=1.0)
+    sp = sampling_params(run, stop_token_ids=stops)
+    greedy = sampling_params(run, stop_token_ids=stops, temperature=0.0, top_k=0, top_p=1.0)
     reward = reward_fn(task, tok)
     eval_rng = random.Random(run.recipe.seed + 1)
     eval_items = [{"prompt": task.prompt_ids(ex, tok), "example": ex}
                   for ex in task.sample_prompts(run.recipe.eval_prompts, eval_rng)]  # fmt: skip
     source = prompt_source(task, tok, rng)
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)  # fmt: skip
-    schedule = C.lr_scheduler(run, opt)
+    schedule = lr_scheduler(run, opt)
+    hooks = RolloutHooks(manager, model)  # colocated: suspends as each rollout phase ends
+    hooks.on_train_start(model)
     first_eval: dict[str, float] = {}
     last_eval: dict[str, float] = {}
     suspended_s, tokens_before = 0.0, 0.0
     bar = tqdm(range(t.steps), desc=run.recipe.name, file=sys.stderr, dynamic_ncols=True)
     for step in bar:
         t0 = time.perf_counter()
-        manager.resume()
-        resumed_at = time.perf_counter()
         metrics: dict[str, Any] = dict(sft) if step == 0 else {}
-        if run.recipe.eval_every and step == 0:  # the warm start alone: greedy and sampled
-            first_eval = last_eval = evaluate_all(manager, eval_items, greedy, sp, reward)
-            metrics.update(first_eval)
-        elif run.recipe.eval_every and step % run.recipe.eval_every == 0:
-            last_eval = evaluate(manager, eval_items, greedy, reward)
-            metrics.update(last_eval)
-        tc = time.perf_counter()
-        samples = manager.collect(source, r.prompts_per_step, r.samples_per_prompt, reward, sp)
-        collect_s = time.perf_counter() - tc
+        with hooks.rollout():
+            resumed_at = time.perf_counter()
+            if run.recipe.eval_every and step == 0:  # the warm start alone: greedy and sampled
+                first_eval = last_eval = evaluate_all(manager, eval_items, greedy, sp, reward)
+                metrics.update(first_eval)
+            elif run.recipe.eval_every and step % run.recipe.eval_every == 0:
+                last_eval = evaluate(manager, eval_items, greedy, reward)
+                metrics.update(last_eval)
+            tc = time.perf_counter()
+            samples = manager.collect(source, r.prompts_per_step, r.samples_per_prompt, reward, sp)
+            collect_s = time.perf_counter() - tc
+        suspended_at = time.perf_counter()
         if not samples:
             raise RuntimeError("the rollout manager returned no samples (prompt source ended?)")
-        if colocated:
-            manager.suspend()
-        suspended_at = time.perf_counter()
-        metrics.update(grpo_update(model, opt, samples, run, tok.pad_id, ref_model))
+        before_step = functools.partial(hooks.on_before_optimizer, step)
+        metrics.update(grpo_update(model, opt, samples, run, tok.pad_id, ref_model, before_step))
         if not metrics["train/skipped_step"]:
             schedule.step()  # the schedule counts optimizer steps, like any torch scheduler
         metrics["train/update_s"] = time.perf_counter() - suspended_at
-        metrics["rollout/version"] = manager.update_weights(model)
+        hooks.on_step_end(step, model)  # rollout/version, weight_sync/hook_s
         if colocated:
             suspended_s = time.perf_counter() - suspended_at
+        metrics.update(hooks.metrics)
         metrics.update(manager.stats())
-        # After stats(): the manager's staleness/* describe its last handed-out group; these
-        # describe the whole batch the loss saw.
+        # After stats(), whose staleness/* describe the same batch: these add its histograms
+        # (with W&B), lengths and rewards.
         metrics.update(rollout_metrics(samples, collect_s, histograms))
         step_s = time.perf_counter() - t0
         generated = metrics.get("rollout/tokens_generated", 0.0)  # manager counter (cumulative)
@@ -348,11 +369,10 @@ def _train(
                        f"eval_acc {metrics['train/eval_accuracy']:.3f}", file=sys.stderr)  # fmt: skip
     bar.close()
     if run.recipe.eval_every:  # final evaluation with the trained weights
-        manager.resume()
-        last_eval = evaluate_all(manager, eval_items, greedy, sp, reward)
-        if colocated:
-            manager.suspend()
+        with hooks.rollout():
+            last_eval = evaluate_all(manager, eval_items, greedy, sp, reward)
         logger.log(last_eval, step=t.steps)
+    hooks.on_train_end()
     steps, rewards = logger.series("train/reward")
     k = max(1, min(10, len(rewards) // 5))  # first/last few steps: sampled reward is noisy
     return {
@@ -377,14 +397,14 @@ def _train(
 
 
 @contextlib.contextmanager
-def _cpu_threads(run: C.RunConfig) -> Iterator[None]:
+def _cpu_threads(run: RunConfig) -> Iterator[None]:
     """One intra-op thread for a tiny model on CPU unless OMP_NUM_THREADS says otherwise.
 
     Its matmuls are too small to split: on a shared 2-core machine 60 steps took 9 s with one
     thread and 83 s with two (threads spin against each other and the other processes).
     """
-    small = run.model.name != C.HF_DIR and C.model_config(run).num_parameters() < 5_000_000
-    if not (small and C.resolve_device(run).type == "cpu" and "OMP_NUM_THREADS" not in os.environ):
+    small = run.model.name != HF_DIR and model_config(run).num_parameters() < 5_000_000
+    if not (small and resolve_device(run).type == "cpu" and "OMP_NUM_THREADS" not in os.environ):
         yield
         return
     before = torch.get_num_threads()
@@ -405,13 +425,13 @@ def _frozen_copy(model: nn.Module) -> nn.Module:
 # -- outputs ---------------------------------------------------------------------------------------
 
 
-def _write_outputs(run: C.RunConfig, logger: Any, summary: dict[str, Any], out_dir: Path) -> None:
+def _write_outputs(run: RunConfig, logger: Any, summary: dict[str, Any], out_dir: Path) -> None:
     """metrics.json (summary, config, scalar history) and the two plots."""
     if run.logger.plot and logger.history:
         title = f"{run.recipe.name} ({run.rollout.mode.value})"
         summary["reward_png"] = str(save_plot(logger, out_dir / "reward.png", REWARD_KEYS, title))
         summary["staleness_png"] = str(save_plot(logger, out_dir / "staleness.png", STALENESS_KEYS, title))  # fmt: skip
-    payload = {"summary": summary, "config": C.to_dict(run), "history": logger.history}
+    payload = {"summary": summary, "config": to_dict(run), "history": logger.history}
     (out_dir / "metrics.json").write_text(json.dumps(payload, indent=1, default=float))
 
 
@@ -427,7 +447,7 @@ def sparkline(values: list[float], width: int = 60) -> str:
     return "".join(blocks[min(7, max(0, int(v * 8)))] for v in means)
 
 
-def _print_summary(run: C.RunConfig, logger: Any, s: dict[str, Any]) -> None:
+def _print_summary(run: RunConfig, logger: Any, s: dict[str, Any]) -> None:
     _, rewards = logger.series("train/reward")
     print(f"[{s['recipe']}] reward curve (0..1): {sparkline(rewards)}")
     print(f"[{s['recipe']}] training batches: reward {s['start_reward']:.3f} at step 0 -> "

@@ -241,9 +241,9 @@ def test_grpo_step_on_real_rollouts():
     import random
 
     from recipes.tasks import get_task
-    from rollout.config import (
+    from rollout.config import load_config
+    from rollout.config.builders import (
         inference_config,
-        load_config,
         manager_config,
         model_config,
         sampling_params,

@@ -11,6 +11,8 @@ import time
 import pytest
 import torch
 
+from rollout.config import load_config
+from rollout.config.builders import build_manager, build_model_and_tokenizer
 from rollout.engine.config import InferenceConfig
 from rollout.models import ModelConfig, build_model
 from rollout.rl.manager import RolloutManager
@@ -169,10 +171,6 @@ def test_update_weights_validates_and_versions():
         bad["bogus"] = torch.zeros(1)
         with pytest.raises(ValueError, match=r"bogus.*|model\.norm\.weight"):
             m.update_weights(bad)
-        partial = _weights(1)
-        partial.pop("model.norm.weight")
-        with pytest.raises(ValueError, match="missing"):
-            m.update_weights(partial)
         for k, v in m.engine.model.state_dict().items():
             assert torch.equal(v, before[k]), k
         assert m.update_weights(_weights(1), version=7) == 7
@@ -250,7 +248,7 @@ def test_bad_config_and_arguments():
 
 def test_collect_returns_partial_batch_then_empty_when_source_ends():
     with _manager() as m:
-        prompts = [[1, 2], [3, 4], [5, 6]]
+        prompts = iter([[1, 2], [3, 4], [5, 6]])
         a = m.collect(prompts, 2, n=2, sampling_params=_sp(3), reward_fn=lambda s: 1.0)
         b = m.collect(prompts, 2, n=2, sampling_params=_sp(3))
         c = m.collect(prompts, 2, n=2, sampling_params=_sp(3))
@@ -307,7 +305,7 @@ def test_async_generates_in_background_and_bounds_staleness(policy):
             assert stats["rollout/groups_dropped_stale"] >= 3
         else:
             assert stats["rollout/samples_regenerated"] >= 6
-        thread = m._thread
+        thread = m._driver.thread
     assert not thread.is_alive()
 
 
@@ -322,7 +320,7 @@ def test_async_update_lands_between_steps_and_close_on_exception():
             assert s.token_versions == sorted(s.token_versions)
             assert s.policy_staleness == [sum(u > v for u in range(1, 4)) for v in s.token_versions]
         raise KeyError("trainer crashed")
-    assert m.closed and not m._thread.is_alive()
+    assert m.closed and not m._driver.thread.is_alive()
 
 
 @pytest.mark.parametrize("layer", ["engine_step", "scheduler"])
@@ -362,7 +360,7 @@ def test_async_thread_survives_a_failing_step(layer):
         prompts = iter([[1, 2], [99, 2], *([i + 3, 2] for i in range(50))])
         batches = [m.collect(prompts, 2, n=2, sampling_params=_sp(4)) for _ in range(4)]
         stats = m.stats()
-        assert m._thread.is_alive()
+        assert m._driver.thread.is_alive()
     failed = [s for b in batches for s in b if s.failed]
     assert failed and all("OverflowError: poisoned step" in s.error for s in failed)
     assert any(s.prompt_tokens == [99, 2] for s in failed)
@@ -372,12 +370,9 @@ def test_async_thread_survives_a_failing_step(layer):
 
 
 def test_from_run_config_with_text_prompts():
-    pytest.importorskip("hydra")
-    from rollout import config as C
-
-    run = C.load_config(["rollout.max_staleness=2", "engine.max_sequence_length=64"])
-    model, tok, _ = C.build_model_and_tokenizer(run)
-    with RolloutManager.from_config(run, model=model, tokenizer=tok) as m:
+    run = load_config(["rollout.max_staleness=2", "engine.max_sequence_length=64"])
+    model, tok, _ = build_model_and_tokenizer(run)
+    with build_manager(run, model=model, tokenizer=tok) as m:
         assert m.config.max_staleness == 2 and m.engine.model is not model
         out = m.generate(["hello"], n=2, sampling_params=_sp(4))
         assert len(out) == 2 and all(isinstance(s.completion_text, str) for s in out)

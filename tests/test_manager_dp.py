@@ -10,9 +10,10 @@ import time
 import pytest
 import torch
 
-from rollout import config as C
+from rollout.config import validate
+from rollout.config.builders import build_manager, build_model_and_tokenizer, inference_config
+from rollout.config.schema import RolloutMode, RunConfig
 from rollout.engine.engine import DynamicInferenceEngine
-from rollout.rl.manager import RolloutManager
 from rollout.rl.samples import _token_times
 from rollout.sampling import SamplingParams
 from rollout.weights.broadcast import WeightSyncError
@@ -24,10 +25,10 @@ GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=6)
 PROMPTS = [[256, *b"hello world!"], [256, *b"reverse me"], [256, *b"abcabcabcabcabc"]]
 
 
-def _run(tmp_path) -> C.RunConfig:
-    run = C.RunConfig()
+def _run(tmp_path) -> RunConfig:
+    run = RunConfig()
     run.rollout.dp = 2
-    run.rollout.mode = C.RolloutMode["async"]
+    run.rollout.mode = RolloutMode["async"]
     run.trainer.tis_cap = 2.0
     run.engine.num_blocks = 96
     run.engine.block_size = 4
@@ -47,10 +48,10 @@ def _run(tmp_path) -> C.RunConfig:
 def ctx(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dp")
     run = _run(tmp)
-    trainer, tok, _ = C.build_model_and_tokenizer(C.validate(run))
-    manager = RolloutManager.from_config(run, model=trainer, tokenizer=tok)
+    trainer, tok, _ = build_model_and_tokenizer(validate(run))
+    manager = build_manager(validate(run), model=trainer, tokenizer=tok)
     manager.engine.cluster.sync.bucket_bytes = 32 << 10  # ~12 buckets: a kill lands mid-way
-    yield {"run": C.validate(run), "manager": manager, "trainer": trainer, "tok": tok, "tmp": tmp}
+    yield {"run": validate(run), "manager": manager, "trainer": trainer, "tok": tok, "tmp": tmp}
     manager.close()
 
 
@@ -64,7 +65,7 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
 def _direct(ctx, model) -> list[list[int]]:
     """Greedy tokens of an in-process engine holding `model`'s weights (the reference)."""
     engine = DynamicInferenceEngine(
-        copy.deepcopy(model).eval(), ctx["tok"], C.inference_config(ctx["run"])
+        copy.deepcopy(model).eval(), ctx["tok"], inference_config(ctx["run"])
     )
     return [r.generated_tokens for r in engine.generate(PROMPTS, GREEDY)]
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from rollout.config import CONF_DIR, GROUPS
+from rollout.config import CONF_DIR
+from rollout.config.schema import GROUPS
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("pyproject.toml", "README.md", "conf", "rollout", "trainer_hooks", "recipes")

@@ -297,7 +297,7 @@ def make_checkpoint(path: Path, architecture: str, bos: bool) -> Path:
 )
 def test_hf_dir_checkpoint(tmp_path, architecture, bos):
     """A saved Llama / Qwen2 folder through the recipe; Qwen2's tokenizer has no bos token."""
-    from rollout.config.builders import task_of
+    from recipes.config import task_of
     from rollout.tokenizers import load_tokenizer
 
     ckpt = make_checkpoint(tmp_path / architecture, architecture, bos)

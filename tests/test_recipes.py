@@ -7,6 +7,7 @@ slow test (`pytest -m slow`) checks that RL beats the warm start in the recipes 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -14,9 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from recipes.common import ensure_override, run_recipe, sparkline
-from rollout.config import ConfigError, compose
+from recipes.config import lr_scheduler, validate_recipe
+from rollout.config import ConfigError, compose, load_config
 from rollout.metrics import read_offline_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,6 +128,44 @@ def test_async_entry_point_defaults_to_async_recipe(tmp_path):
     assert saved["summary"]["mode"] == "async"
     assert saved["config"]["recipe"]["name"] == "grpo_reverse_async"
     assert saved["config"]["trainer"]["tis_cap"] == 2.0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragments"),
+    [
+        (["engine.num_blocks=1", "rollout.max_new_tokens=64", "recipe.task_kwargs={min_len:2,max_len:4}"],
+         ["KV pool too small", "engine.num_blocks=1", "< 70 (prompt 6 + rollout.max_new_tokens 64)"]),
+        (["engine.num_blocks=5", "rollout.max_new_tokens=75"],
+         ["KV pool too small", "< 81 (prompt 6 + rollout.max_new_tokens 75)"]),
+        (["recipe.task=sort"], ["recipe.task='sort'", "unknown task", "reverse"]),
+    ],
+)  # fmt: skip
+def test_task_checks(overrides, fragments):
+    """The task's own checks, on top of the library's: it exists, its longest request fits."""
+    with pytest.raises(ConfigError) as info:
+        validate_recipe(compose(overrides))
+    for fragment in fragments:
+        assert fragment in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_lr_schedule_follows_the_config(schedule):
+    """constant keeps lr; cosine falls from lr to lr * min_lr_ratio at trainer.steps and stays."""
+    run = load_config([f"trainer.lr_schedule={schedule}", "trainer.steps=10", "trainer.lr=0.1",
+                       "trainer.min_lr_ratio=0.2"])  # fmt: skip
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=run.trainer.lr)
+    sched = lr_scheduler(run, opt)
+    lrs = []
+    for _ in range(12):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    if schedule == "constant":
+        assert lrs == pytest.approx([0.1] * 12)
+    else:
+        assert lrs[0] == pytest.approx(0.1) and lrs[5] == pytest.approx(0.06)  # halfway
+        assert lrs[10:] == pytest.approx([0.02, 0.02])
+        assert all(a >= b for a, b in itertools.pairwise(lrs))
 
 
 def test_ensure_override_and_sparkline():

@@ -15,7 +15,8 @@ Hydra apps: `@hydra.main(config_path=str(CONF_DIR), config_name="config")`, then
 `cfg = validate(dict_cfg)` first thing in the task function.
 
 Modules: `schema` (the dataclasses and enums), `checks` (`to_run_config`, `validate`), `builders`
-(objects for the app from a RunConfig); this module composes and loads.
+(objects for the app from a RunConfig: engine and manager configs, the manager, the logger); this
+module composes and loads, and exports only that.
 """
 
 from __future__ import annotations
@@ -23,49 +24,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rollout.config.builders import (
-    build_logger,
-    build_model_and_tokenizer,
-    build_tokenizer,
-    inference_config,
-    kv_bytes_per_block,
-    lr_scheduler,
-    manager_config,
-    model_config,
-    resolve_device,
-    sampling_params,
-    task_of,
-    to_dict,
-    torch_dtype,
-    wandb_dir,
-)
-from rollout.config.checks import to_run_config, validate
-from rollout.config.schema import (
-    GROUPS,
-    HF_DIR,
-    ConfigError,
-    CoordinatorCfg,
-    DType,
-    EngineCfg,
-    KVPolicy,
-    LoggerCfg,
-    LossAgg,
-    LossType,
-    LrSchedule,
-    ModelCfg,
-    Optimizer,
-    RecipeCfg,
-    RolloutCfg,
-    RolloutMode,
-    RoutingPolicy,
-    RunConfig,
-    StalePolicy,
-    SuspendMode,
-    TrainerCfg,
-    WandbMode,
-    register_configs,
-)
-from rollout.models.config import MODEL_PRESETS
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
+
+from rollout.config.checks import validate
+from rollout.config.schema import ConfigError, RunConfig
 
 
 def _conf_dir() -> Path:
@@ -81,11 +46,6 @@ CONF_DIR = _conf_dir()
 
 def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "config") -> Any:
     """Compose `conf/<config_name>.yaml` with overrides (outside a Hydra app) -> DictConfig."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-
     try:
         if GlobalHydra.instance().is_initialized():
             return hydra_compose(config_name=config_name, overrides=list(overrides))
@@ -103,48 +63,4 @@ def load_config(
     return validate(compose(overrides, config_name))
 
 
-__all__ = [
-    "CONF_DIR",
-    "GROUPS",
-    "HF_DIR",
-    "MODEL_PRESETS",
-    "ConfigError",
-    "CoordinatorCfg",
-    "DType",
-    "EngineCfg",
-    "KVPolicy",
-    "LoggerCfg",
-    "LossAgg",
-    "LossType",
-    "LrSchedule",
-    "ModelCfg",
-    "Optimizer",
-    "RecipeCfg",
-    "RolloutCfg",
-    "RolloutMode",
-    "RoutingPolicy",
-    "RunConfig",
-    "StalePolicy",
-    "SuspendMode",
-    "TrainerCfg",
-    "WandbMode",
-    "build_logger",
-    "build_model_and_tokenizer",
-    "build_tokenizer",
-    "compose",
-    "inference_config",
-    "kv_bytes_per_block",
-    "load_config",
-    "lr_scheduler",
-    "manager_config",
-    "model_config",
-    "register_configs",
-    "resolve_device",
-    "sampling_params",
-    "task_of",
-    "to_dict",
-    "to_run_config",
-    "torch_dtype",
-    "validate",
-    "wandb_dir",
-]
+__all__ = ["CONF_DIR", "ConfigError", "compose", "load_config", "validate"]

@@ -1,40 +1,34 @@
-"""What a program builds from a `RunConfig`: model, tokenizer, engine, manager and sampling
-configs, the recipe's task, the metrics logger."""
+"""What a program builds from a validated `RunConfig`: model, tokenizer, engine, manager and
+sampling configs, the rollout manager, the metrics logger."""
 
 from __future__ import annotations
 
-import importlib
+import copy
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
+from torch import nn
 
 from rollout.config.schema import HF_DIR, ConfigError, RunConfig
+from rollout.engine.config import InferenceConfig
+from rollout.metrics import make_logger
+from rollout.models import kv_bytes_per_block as model_kv_bytes
+from rollout.models.config import ModelConfig
+from rollout.rl.manager import RolloutManager, RolloutManagerConfig
+from rollout.sampling import SamplingParams
+from rollout.serving import factory
+from rollout.serving.auth import resolve_token
 
 
-def task_of(run: RunConfig) -> Any:
-    """The recipe's task: `recipe.task_module`'s get_task(recipe.task, **recipe.task_kwargs);
-    None without a task module; ValueError for an unknown module, name or kwargs."""
-    module = run.recipe.task_module
-    if module is None:
-        return None
-    try:
-        get_task = importlib.import_module(module).get_task
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"recipe.task_module={module!r} has no get_task ({e})") from e
-    return get_task(run.recipe.task, **dict(run.recipe.task_kwargs))
-
-
-def model_config(run: RunConfig, vocab_size: int | None = None) -> Any:
-    """`rollout.models.config.ModelConfig` for the run (preset or the checkpoint's config.json).
+def model_config(run: RunConfig, vocab_size: int | None = None) -> ModelConfig:
+    """`ModelConfig` for the run (preset or the checkpoint's config.json).
 
     Presets take `model.vocab_size`, else `vocab_size` (the tokenizer's), else the byte vocab.
     """
-    from rollout.models.config import ModelConfig
-
     m = run.model
     if m.name == HF_DIR:
         if not m.path:
@@ -45,8 +39,6 @@ def model_config(run: RunConfig, vocab_size: int | None = None) -> Any:
 
 def kv_bytes_per_block(run: RunConfig) -> int | None:
     """Bytes of K and V for one block across all layers, in the model dtype (None if unknown)."""
-    from rollout.models import kv_bytes_per_block as model_kv_bytes
-
     try:
         mc = model_config(run)
     except (ValueError, OSError):
@@ -56,33 +48,30 @@ def kv_bytes_per_block(run: RunConfig) -> int | None:
 
 def build_tokenizer(run: RunConfig) -> Any:
     """model.tokenizer: "byte" -> ByteTokenizer; a path -> load_tokenizer; null -> model.path's."""
-    from rollout.tokenizers import ByteTokenizer, load_tokenizer
-
-    name = run.model.tokenizer
-    if name == "byte":
-        return ByteTokenizer()
-    path = name or run.model.path
+    path = run.model.tokenizer or run.model.path
     if not path:
         raise ConfigError("model.tokenizer=null needs model.path (the tokenizer in the checkpoint)")
-    return load_tokenizer(path)
+    return factory.tokenizer_from_source(path, _model_source(run))
 
 
 def build_model_and_tokenizer(run: RunConfig) -> tuple[Any, Any, Any]:
-    """(model, tokenizer, ModelConfig) on model.device in model.dtype.
+    """(model, tokenizer, ModelConfig) on model.device in model.dtype, built as the engine
+    processes build theirs (rollout.serving.factory).
 
     Presets are initialised from recipe.seed with the tokenizer's vocabulary; hf_dir loads the
     checkpoint. The model is in train mode (the trainer owns it; engines get copies/weights).
     """
-    from rollout.models import build_model, load_pretrained
-
     tok = build_tokenizer(run)
-    device, dtype = resolve_device(run), torch_dtype(run)
-    if run.model.name == HF_DIR:
-        model, mc = load_pretrained(run.model.path, device=device, dtype=dtype)
-    else:
-        mc = model_config(run, vocab_size=tok.vocab_size)
-        model = build_model(mc, device=device, dtype=dtype, seed=run.recipe.seed)
+    model, mc = factory.model_from_source(
+        _model_source(run), seed=run.recipe.seed, device=resolve_device(run),
+        dtype=torch_dtype(run), vocab_size=run.model.vocab_size or tok.vocab_size,
+    )  # fmt: skip
     return model.train(), tok, mc
+
+
+def _model_source(run: RunConfig) -> str:
+    """The preset name, or the checkpoint directory for model.name=hf_dir."""
+    return run.model.path if run.model.name == HF_DIR else run.model.name
 
 
 def torch_dtype(run: RunConfig) -> torch.dtype:
@@ -96,10 +85,8 @@ def resolve_device(run: RunConfig) -> torch.device:
     return torch.device(run.model.device)
 
 
-def inference_config(run: RunConfig) -> Any:
+def inference_config(run: RunConfig) -> InferenceConfig:
     """`InferenceConfig` for each engine: engine group + rollout.kv_policy + model device/dtype."""
-    from rollout.engine.config import InferenceConfig
-
     e = run.engine
     return InferenceConfig(
         block_size=e.block_size, num_blocks=e.num_blocks, kv_cache_memory_bytes=e.kv_cache_memory_bytes,
@@ -111,15 +98,13 @@ def inference_config(run: RunConfig) -> Any:
     )  # fmt: skip
 
 
-def manager_config(run: RunConfig, **changes: Any) -> Any:
+def manager_config(run: RunConfig, **changes: Any) -> RolloutManagerConfig:
     """`RolloutManagerConfig`: mode, staleness bound and policy, suspend mode.
 
     rollout.partial_rollouts=false bounds in-flight groups to one batch (strictly synchronous
     batches); true leaves the manager's default (2 x the batch) so a full batch leaves partial
     rollouts behind.
     """
-    from rollout.rl.manager import RolloutManagerConfig
-
     r = run.rollout
     kwargs: dict[str, Any] = dict(
         mode=r.mode.value, max_staleness=r.max_staleness, stale_policy=r.stale_policy.value,
@@ -133,10 +118,8 @@ def manager_config(run: RunConfig, **changes: Any) -> Any:
 
 def sampling_params(
     run: RunConfig, stop_token_ids: list[int] | tuple[int, ...] = (), **changes: Any
-) -> Any:
+) -> SamplingParams:
     """Rollout `SamplingParams` (behaviour log-probs on: the loss needs them)."""
-    from rollout.sampling import SamplingParams
-
     r = run.rollout
     kwargs: dict[str, Any] = dict(
         temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, num_tokens_to_generate=r.max_new_tokens,
@@ -146,36 +129,55 @@ def sampling_params(
     return SamplingParams(**kwargs)
 
 
-def lr_scheduler(run: RunConfig, optimizer: torch.optim.Optimizer) -> Any:
-    """The trainer's per-step learning-rate schedule; call `.step()` after each optimizer step.
+def cluster_options(run: RunConfig) -> dict[str, Any]:
+    """`EngineCluster` kwargs from the coordinator group (rollout.dp > 1)."""
+    c = run.coordinator
+    coordinator = {
+        "host": c.host, "port": c.port, "policy": c.policy.value, "alpha": c.prefix_alpha,
+        "max_hash_entries": c.prefix_table_size, "heartbeat_s": c.heartbeat_s,
+        "engine_timeout_s": c.engine_timeout_s, "deterministic": c.deterministic,
+        "schedule_output_path": c.schedule_log, "block_size": run.engine.block_size,
+    }  # fmt: skip
+    restart = {"max_restarts": c.max_restarts, "window_s": c.restart_window_s,
+               "backoff_s": c.restart_backoff_s, "backoff_max_s": c.restart_backoff_max_s}  # fmt: skip
+    return {"coordinator": coordinator, "auth_token": resolve_token(c.token, c.token_file),
+            "seed": run.recipe.seed, "restart": restart,
+            "weights_snapshot": c.weights_snapshot.value,
+            "weight_sync_transport": c.weight_sync_transport.value}  # fmt: skip
 
-    cosine: lr falls from `lr` to `lr * min_lr_ratio` over `trainer.steps`. A nearly
-    deterministic policy late in GRPO turns one large step into a collapse; decaying the step
-    size is the usual guard, async rollouts (stale tokens) being the most exposed.
+
+def build_manager(
+    run: RunConfig, model: nn.Module | None = None, tokenizer: Any = None, **changes: Any
+) -> RolloutManager:
+    """The run's `RolloutManager`; `changes` override fields of its `manager_config`.
+
+    The engine gets its own copy of `model` (the trainer's; built from the config when None), so
+    training never mutates what the engine serves between updates. With rollout.dp > 1 the
+    engine processes load a snapshot of its weights.
     """
-    t = run.trainer
-    if t.lr_schedule == "constant":
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    floor, steps = t.min_lr_ratio, max(1, t.steps)
-
-    def cosine(step: int) -> float:
-        progress = min(step, steps) / steps
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, cosine)
+    if model is None:
+        model, built_tok, _ = build_model_and_tokenizer(run)
+        tokenizer = tokenizer if tokenizer is not None else built_tok
+    elif tokenizer is None:
+        tokenizer = build_tokenizer(run)
+    if run.rollout.dp > 1:
+        return RolloutManager(
+            manager_config(run, dp=run.rollout.dp, **changes), model=model, tokenizer=tokenizer,
+            inference_config=inference_config(run), cluster_options=cluster_options(run),
+        )  # fmt: skip
+    return RolloutManager(
+        manager_config(run, **changes), model=copy.deepcopy(model), tokenizer=tokenizer,
+        inference_config=inference_config(run),
+    )  # fmt: skip
 
 
 def to_dict(run: RunConfig) -> dict[str, Any]:
     """Plain nested dict (enums as strings) for logging and JSON."""
-    from omegaconf import OmegaConf
-
     return OmegaConf.to_container(OmegaConf.structured(run), resolve=True, enum_to_str=True)  # type: ignore[return-value]
 
 
 def build_logger(run: RunConfig, **kwargs: Any) -> Any:
     """MetricsLogger (or NullLogger for logger.mode=disabled) with the resolved config logged."""
-    from rollout.metrics import make_logger
-
     lg = run.logger
     extra = {"entity": lg.entity} if lg.entity else {}
     extra.update(kwargs)

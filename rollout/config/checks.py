@@ -2,6 +2,9 @@
 checks types cannot express (async rollouts need importance correction, the KV pool must hold
 one max-length request, GRPO needs a group, ...). Every problem is reported at once, each naming
 the key and what is allowed.
+
+Only what the library knows is checked here. An application adds its own problems and says how
+long its prompts can be (`problems(run, prompt_tokens=...)`): the recipes check their task that way.
 """
 
 from __future__ import annotations
@@ -10,8 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from rollout.config.builders import kv_bytes_per_block, task_of
+from rollout.config.builders import kv_bytes_per_block
 from rollout.config.schema import (
     HF_DIR,
     ConfigError,
@@ -26,9 +31,6 @@ from rollout.models.config import MODEL_PRESETS
 
 def to_run_config(cfg: Any) -> RunConfig:
     """DictConfig / dict / RunConfig -> type-checked RunConfig (ConfigError on bad types)."""
-    from omegaconf import DictConfig, OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
     try:
         if isinstance(cfg, RunConfig):
             cfg = OmegaConf.structured(cfg)
@@ -47,13 +49,27 @@ def validate(cfg: Any) -> RunConfig:
     """Type-check `cfg` and run the cross-field checks; returns the RunConfig or raises
     ConfigError listing every problem (one line each, starting with the key)."""
     run = to_run_config(cfg)
+    raise_problems(problems(run))
+    return run
+
+
+def problems(
+    run: RunConfig, prompt_tokens: int = 1, prompt_desc: str = "the shortest prompt"
+) -> list[str]:
+    """Every cross-field problem of `run`, one line each; `prompt_tokens` bounds the prompts
+    (`prompt_desc` says where the bound comes from), so a max-length request must fit."""
     errors: list[str] = []
     for check in (_check_model, _check_engine, _check_coordinator, _check_rollout, _check_trainer,
                   _check_logger, _check_recipe, _check_cross):  # fmt: skip
         check(run, errors)
+    errors += _request_fits(run, prompt_tokens, prompt_desc)
+    return errors
+
+
+def raise_problems(errors: list[str]) -> None:
+    """ConfigError listing `errors`, if any."""
     if errors:
         raise ConfigError("invalid run config:\n  " + "\n  ".join(errors))
-    return run
 
 
 def _need(errors: list[str], ok: bool, message: str) -> bool:
@@ -236,10 +252,6 @@ def _check_recipe(run: RunConfig, errors: list[str]) -> None:
         errors, rc.eval_every >= 0, f"recipe.eval_every must be >= 0 (0 = off), got {rc.eval_every}"
     )
     _need(errors, rc.eval_prompts >= 1, f"recipe.eval_prompts must be >= 1, got {rc.eval_prompts}")
-    try:
-        task_of(run)
-    except ValueError as e:
-        errors.append(f"recipe.task={rc.task!r} / recipe.task_kwargs={dict(rc.task_kwargs)}: {e}")
 
 
 def _check_cross(run: RunConfig, errors: list[str]) -> None:
@@ -257,29 +269,25 @@ def _check_cross(run: RunConfig, errors: list[str]) -> None:
               "rollout.kv_policy=keep has no effect with engine.suspend_mode=recompute in colocated "
               "mode (suspend drops the KV, resume recomputes it): use engine.suspend_mode=offload or "
               "persist, or rollout.kv_policy=recompute")  # fmt: skip
-    _check_kv_capacity(run, errors)
 
 
-def _check_kv_capacity(run: RunConfig, errors: list[str]) -> None:
-    """The KV pool must hold one max-length request, or that request can never finish."""
+def _request_fits(run: RunConfig, prompt_tokens: int, prompt_desc: str) -> list[str]:
+    """Problems that stop a request of `prompt_tokens` + rollout.max_new_tokens from ever
+    finishing: longer than engine.max_sequence_length, or more than the whole KV pool."""
     e, r = run.engine, run.rollout
-    try:
-        task = task_of(run)
-    except ValueError:  # reported by _check_recipe
-        task = None
-    prompt = 1 if task is None else task.max_prompt_tokens
-    need = prompt + r.max_new_tokens
+    errors: list[str] = []
+    need = prompt_tokens + r.max_new_tokens
     _need(errors, need <= e.max_sequence_length,
           f"engine.max_sequence_length={e.max_sequence_length} is below the longest request: "
-          f"{prompt} prompt tokens (recipe.task={run.recipe.task}) + rollout.max_new_tokens="
+          f"{prompt_tokens} prompt tokens ({prompt_desc}) + rollout.max_new_tokens="
           f"{r.max_new_tokens} = {need}")  # fmt: skip
     if e.block_size < 1:
-        return
+        return errors
     blocks = e.num_blocks
     if blocks is None:
         per_block = kv_bytes_per_block(run)
         if per_block is None:
-            return  # model shape unknown (checked elsewhere)
+            return errors  # model shape unknown (checked elsewhere)
         blocks = e.kv_cache_memory_bytes // per_block
         source = (
             f"engine.kv_cache_memory_bytes={e.kv_cache_memory_bytes} ({per_block} bytes per block)"
@@ -288,6 +296,7 @@ def _check_kv_capacity(run: RunConfig, errors: list[str]) -> None:
         source = f"engine.num_blocks={blocks}"
     _need(errors, blocks * e.block_size >= need,
           f"KV pool too small for one max-length request: {source} x engine.block_size="
-          f"{e.block_size} = {blocks * e.block_size} tokens < {need} (prompt {prompt} + "
+          f"{e.block_size} = {blocks * e.block_size} tokens < {need} (prompt {prompt_tokens} + "
           f"rollout.max_new_tokens {r.max_new_tokens}); raise engine.num_blocks or "
           "engine.kv_cache_memory_bytes")  # fmt: skip
+    return errors

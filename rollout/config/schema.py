@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from hydra.core.config_store import ConfigStore
+
 from rollout.engine.config import KV_POLICIES
 from rollout.protocol import SUSPEND_MODES
 from rollout.serving.coordinator.routing import POLICIES
@@ -183,8 +185,6 @@ def register_configs() -> None:
 
     One schema for the whole tree is enough: every group option merges into a typed node.
     """
-    from hydra.core.config_store import ConfigStore
-
     ConfigStore.instance().store(name="base_config", node=RunConfig)
 
 

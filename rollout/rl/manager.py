@@ -11,6 +11,12 @@ It owns the engine and hands the trainer finished GRPO groups. Two modes:
   two engine steps, so a weight swap can never land inside a forward pass (no sample mixes
   versions within one token), and no lock can starve the trainer (`rollout.rl.driver`).
 
+The caller owns the prompt source: `collect` pulls prompts from the iterable it is given, only
+while it runs, and only as many as may be in flight (`max_inflight_groups`). An iterator passed
+to successive calls continues where the last call stopped; the groups submitted beyond a batch
+stay in flight as partial rollouts (async mode tops them up before returning, so the engine
+generates while the trainer trains).
+
 Staleness is counted in weight updates and computed when a sample is handed out, from each
 token's own weight versions (`rollout.rl.staleness`; definitions in docs/internals.md). `max_staleness`
 bounds every handed-out token's policy and KV staleness: stale groups are dropped whole
@@ -27,6 +33,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import itertools
 import logging
 import time
 import weakref
@@ -37,18 +44,23 @@ from typing import Any
 import torch
 from torch import nn
 
+from rollout.engine.config import InferenceConfig
+from rollout.engine.engine import DynamicInferenceEngine
+from rollout.engine.interface import EngineProtocol
 from rollout.metrics import staleness_summary
 from rollout.protocol import SUSPEND_MODES
 from rollout.request import DynamicInferenceRequest
 from rollout.rl.driver import EngineDriver
-from rollout.rl.samples import Sample, collate, request_error
+from rollout.rl.samples import Sample, request_error
 from rollout.rl.staleness import Group, VersionHistory, hand_out, stale_indices
 from rollout.sampling import SamplingParams
-from rollout.weights.state import as_state_dict, check_compatible
+from rollout.serving.cluster import EngineCluster
+from rollout.serving.cluster_engine import ClusterEngine
+from rollout.weights.state import as_state_dict
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RolloutManager", "RolloutManagerConfig", "Sample", "collate"]
+__all__ = ["RolloutManager", "RolloutManagerConfig"]
 
 MODES = ("colocated", "async")
 STALE_POLICIES = ("drop", "regenerate")
@@ -96,7 +108,7 @@ class RolloutManagerConfig:
             raise ValueError(f"collect_timeout_s must be > 0, got {self.collect_timeout_s!r}")
 
 
-class RolloutManager(EngineDriver):
+class RolloutManager:
     """Generation for RL: collect GRPO groups, suspend/resume, versioned weight updates."""
 
     def __init__(
@@ -106,7 +118,7 @@ class RolloutManager(EngineDriver):
         model: nn.Module | None = None,
         tokenizer: Any = None,
         inference_config: Any = None,
-        engine: Any = None,
+        engine: EngineProtocol | None = None,
         cluster_options: Mapping[str, Any] | None = None,
         **overrides: Any,
     ) -> None:
@@ -120,29 +132,17 @@ class RolloutManager(EngineDriver):
         if engine is None:
             if model is None:
                 raise ValueError("RolloutManager needs a model (and tokenizer) or an engine")
-            from rollout.engine.config import InferenceConfig
-            from rollout.engine.engine import DynamicInferenceEngine
-
             engine = DynamicInferenceEngine(
                 model, tokenizer, inference_config or InferenceConfig(), self.config.initial_version
             )
-        self.engine = engine
-        self.version = int(getattr(engine, "weight_version", self.config.initial_version))
-        self._init_driver()
+        self.engine: EngineProtocol = engine
+        self.version = int(engine.weight_version)
         self._groups: dict[int, Group] = {}
         self._requests: dict[int, tuple[int, int]] = {}  # request id -> (group id, index)
         self._ready: deque[int] = deque()
         self._next_rid = 0
         self._next_gid = 0
         self._history = VersionHistory(self.version)
-        self._source_obj: Any = None
-        self._source: Iterator | None = None
-        self._source_done = False
-        self._source_n = 1
-        self._source_sp = SamplingParams(return_log_probs=True)
-        self._batch_size = 1
-        self._suspended = False
-        self._closed = False
         self._counters: dict[str, float] = dict.fromkeys(
             (
                 "samples_out",
@@ -160,17 +160,16 @@ class RolloutManager(EngineDriver):
             0,
         )
         self._last: dict[str, float] = {}
-        if self.config.mode == "async":
-            self._start_thread()
+        self._driver = EngineDriver(  # async: its thread starts stepping the engine now
+            engine, self._step, self.config.collect_timeout_s, self.config.mode == "async"
+        )
+        self._cv = self._driver.cv  # guards groups, requests and ready (shared with the driver)
         ref = weakref.ref(self)
         self._atexit = lambda: (m := ref()) is not None and m.close()
         atexit.register(self._atexit)
 
     def _start_cluster(self, model: Any, tokenizer: Any, icfg: Any, options: Any) -> Any:
         """dp > 1: a coordinator and `dp` engine processes loading `model`'s weights."""
-        from rollout.serving.cluster import EngineCluster
-        from rollout.serving.cluster_engine import ClusterEngine
-
         if model is None:
             raise ValueError("RolloutManager with dp > 1 needs model= (module, state_dict, "
                              "preset name or HF directory)")  # fmt: skip
@@ -181,41 +180,6 @@ class RolloutManager(EngineDriver):
         cluster.factory_kwargs["weight_version"] = self.config.initial_version
         return ClusterEngine(cluster.start())
 
-    @classmethod
-    def from_config(
-        cls, cfg: Any, model: nn.Module | None = None, tokenizer: Any = None, **changes: Any
-    ) -> RolloutManager:
-        """Build from a run config (rollout.config RunConfig / DictConfig / dict).
-
-        The engine gets its own copy of `model` (the trainer's; built from the config when
-        None), so training never mutates what the engine serves between updates.
-        """
-        import copy
-
-        from rollout import config as C
-
-        run = C.validate(cfg)
-        if model is None:
-            model, built_tok, _ = C.build_model_and_tokenizer(run)
-            tokenizer = tokenizer if tokenizer is not None else built_tok
-        elif tokenizer is None:
-            tokenizer = C.build_tokenizer(run)
-        if run.rollout.dp > 1:  # engines load a snapshot of the trainer's weights
-            return cls(
-                C.manager_config(run, dp=run.rollout.dp, **changes),
-                model=model,
-                tokenizer=tokenizer,
-                inference_config=C.inference_config(run),
-                cluster_options=_cluster_options(run),
-            )
-        engine_model = copy.deepcopy(model)
-        return cls(
-            C.manager_config(run, **changes),
-            model=engine_model,
-            tokenizer=tokenizer,
-            inference_config=C.inference_config(run),
-        )
-
     # ------------------------------------------------------------------ public API
 
     def generate(
@@ -225,8 +189,10 @@ class RolloutManager(EngineDriver):
         sp = self._sampling_params(sampling_params)
         _check_n(n)
         items = list(prompts)
-        gids = self._call(lambda: [self._submit_group(p, n, sp, for_collect=False) for p in items])
-        self._wait(lambda: all(self._groups[g].complete for g in gids))
+        gids = self._driver.call(
+            lambda: [self._submit_group(p, n, sp, for_collect=False) for p in items]
+        )
+        self._driver.wait(lambda: all(self._groups[g].complete for g in gids))
         with self._cv:
             out = [hand_out(self._groups.pop(g), self._history) for g in gids]
         return [s for grp in out for s in grp]
@@ -241,20 +207,29 @@ class RolloutManager(EngineDriver):
     ) -> list[Sample]:
         """Return `batch_size_groups` complete groups of n samples (group-contiguous, flat).
 
-        Prompts are pulled from `prompt_source` (str, token list, or a dict with "prompt" plus
-        metadata handed to `reward_fn` via `sample.metadata`). Fewer groups come back only when
-        the source is exhausted; an empty list means nothing is left.
+        Prompts (str, token list, or a dict with "prompt" plus metadata handed to `reward_fn` via
+        `sample.metadata`) are pulled from `prompt_source` while in-flight + ready groups are below
+        the cap; pass the same iterator to every call to continue where the last one stopped. Groups
+        still in flight from earlier calls come first. Fewer groups come back only when the
+        source ends; an empty list means nothing is left.
         """
         if batch_size_groups < 1:
             raise ValueError(f"batch_size_groups must be >= 1, got {batch_size_groups!r}")
         _check_n(n)
         sp = self._sampling_params(sampling_params)
-        self._call(lambda: self._set_source(prompt_source, n, sp, batch_size_groups))
+        if self._driver.closed:
+            raise RuntimeError("RolloutManager is closed")
+        source, ended = iter(prompt_source), False
+        cap = self._inflight_cap(batch_size_groups)
         batch: list[Sample] = []
         groups_needed = batch_size_groups
         while groups_needed:
-            want = min(groups_needed, self._inflight_cap())  # never more than may be in flight
-            self._wait(lambda k=want: len(self._ready) >= k or self._exhausted())
+            want = min(groups_needed, cap)  # never more than may be in flight
+            with self._cv:
+                short = len(self._ready) < want
+            if short:  # a batch already waiting takes no new prompts
+                ended = ended or self._top_up(source, n, sp, cap)
+            self._driver.wait(lambda k=want, e=ended: len(self._ready) >= k or self._exhausted(e))
             with self._cv:
                 take = [
                     self._groups.pop(self._ready.popleft())
@@ -265,9 +240,10 @@ class RolloutManager(EngineDriver):
                     if fresh is not None:
                         batch.extend(fresh)
                         groups_needed -= 1
-                self._cv.notify_all()  # room for the async thread to submit more
-            if take == [] and self._exhausted_now():
-                break
+                if not take and self._exhausted(ended):
+                    break
+        if self.config.mode == "async":  # the engine generates while the trainer trains
+            self._top_up(source, n, sp, cap)
         self._last.update(  # the whole batch, not just its last group
             staleness_summary(
                 [s.policy_staleness for s in batch],
@@ -282,10 +258,10 @@ class RolloutManager(EngineDriver):
 
     def suspend(self) -> int:
         """Free the KV pool for the optimizer (config.suspend_mode). Returns bytes freed."""
-        return self._call(self._do_suspend)
+        return self._driver.call(self._do_suspend)
 
     def resume(self) -> None:
-        self._call(self._do_resume)
+        self._driver.call(self._do_resume)
 
     def update_weights(
         self, source: nn.Module | Mapping[str, torch.Tensor], version: int | None = None
@@ -299,7 +275,7 @@ class RolloutManager(EngineDriver):
         if new <= self.version:
             raise ValueError(f"weight version must increase: got {new}, current {self.version}")
         sd = as_state_dict(source)
-        return self._call(lambda: self._do_update(sd, new))
+        return self._driver.call(lambda: self._do_update(sd, new))
 
     def stats(self) -> dict[str, float]:
         """Flat metrics under fixed namespaces (rollout/*, staleness/*, weight_sync/*, engine/*)."""
@@ -313,34 +289,30 @@ class RolloutManager(EngineDriver):
                     "rollout/inflight_groups": inflight,
                     "rollout/ready_groups": len(self._ready),
                     "rollout/inflight_requests": len(self._requests),
-                    "rollout/suspended": int(self._suspended),
+                    "rollout/suspended": int(self._driver.suspended),
                 }
             )
             out.update(self._last)
-        engine_stats = getattr(self.engine, "stats", None)
-        if callable(engine_stats) and not self._closed:
-            for k, v in (self._call(engine_stats) or {}).items():
+        if not self._driver.closed:
+            for k, v in self._driver.call(self.engine.stats).items():
                 if isinstance(v, (int, float)):
                     out[k if "/" in k else f"engine/{k}"] = v
         return out
 
     def close(self) -> None:
         """Stop generating and release the engine; idempotent, safe from atexit."""
-        if self._closed:
+        if self._driver.closed:
             return
-        self._stop_driver()
+        self._driver.stop()
         for rid in list(self._requests):
-            abort = getattr(self.engine, "abort", None)
-            if abort is not None:
-                with contextlib.suppress(Exception):  # best effort at shutdown
-                    abort(rid)
+            with contextlib.suppress(Exception):  # best effort at shutdown
+                self.engine.abort(rid)
         self._requests.clear()
         self._groups.clear()
         self._ready.clear()
         atexit.unregister(self._atexit)
-        close = getattr(self.engine, "close", None)
-        if self._owns_engine and callable(close):
-            close()  # engine processes and coordinator (dp > 1)
+        if self._owns_engine:
+            self.engine.close()  # engine processes and coordinator (dp > 1)
 
     def __enter__(self) -> RolloutManager:
         return self
@@ -350,20 +322,20 @@ class RolloutManager(EngineDriver):
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._driver.closed
 
     @property
     def suspended(self) -> bool:
-        return self._suspended
+        return self._driver.suspended
 
     # ------------------------------------------------------------------ engine lifecycle
 
     def _do_suspend(self) -> int:
-        if self._suspended:
+        if self._driver.suspended:
             return 0
         t0 = time.perf_counter()
-        freed = int(self.engine.suspend(self.config.suspend_mode) or 0)
-        self._suspended = True
+        freed = int(self.engine.suspend(self.config.suspend_mode))
+        self._driver.suspended = True
         self._counters["suspends"] += 1
         self._counters["kv_bytes_freed_total"] += freed
         self._last["engine/suspend_s"] = time.perf_counter() - t0
@@ -371,23 +343,16 @@ class RolloutManager(EngineDriver):
         return freed
 
     def _do_resume(self) -> None:
-        if not self._suspended:
+        if not self._driver.suspended:
             return
         t0 = time.perf_counter()
         self.engine.resume()
-        self._suspended = False
+        self._driver.suspended = False
         self._last["engine/resume_s"] = time.perf_counter() - t0
 
     def _do_update(self, sd: dict[str, torch.Tensor], version: int) -> int:
         if version <= self.version:
             raise ValueError(f"weight version must increase: got {version}, current {self.version}")
-        model = getattr(self.engine, "model", None)
-        if isinstance(model, nn.Module):  # validate all before touching anything
-            check_compatible(  # strict: a forgotten tensor would silently serve old weights
-                dict(model.state_dict(keep_vars=True)),
-                {k: (v.dtype, tuple(v.shape)) for k, v in sd.items()},
-                allow_cast=True,
-            )
         t0 = time.perf_counter()
         self.engine.update_weights(sd, version)
         dt = time.perf_counter() - t0
@@ -412,29 +377,23 @@ class RolloutManager(EngineDriver):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
         return sp if sp.return_log_probs else sp.replace(return_log_probs=True)
 
-    def _set_source(self, source: Iterable[Any], n: int, sp: SamplingParams, batch: int) -> None:
-        if source is not self._source_obj:
-            self._source_obj, self._source, self._source_done = source, iter(source), False
-        self._source_n, self._source_sp, self._batch_size = n, sp, batch
-
-    def _inflight_cap(self) -> int:
+    def _inflight_cap(self, batch_size_groups: int) -> int:
         cap = self.config.max_inflight_groups
-        return int(cap) if cap is not None else 2 * self._batch_size
+        return int(cap) if cap is not None else 2 * batch_size_groups
 
-    def _refill(self) -> None:
-        """Submit groups from the source until in-flight + ready reaches the cap."""
-        if self._source is None or self._source_done or self._suspended:
-            return
-        while self._num_collect_groups() < self._inflight_cap():
-            try:
-                item = next(self._source)
-            except StopIteration:
-                self._source_done = True
-                return
-            self._submit_group(item, self._source_n, self._source_sp)
+    def _top_up(self, source: Iterator[Any], n: int, sp: SamplingParams, cap: int) -> bool:
+        """Submit groups from `source` until in-flight + ready groups reach `cap`; True when
+        `source` ran out. Nothing is pulled while suspended (the prompts would be lost)."""
+        room = cap - self._num_collect_groups()
+        if room <= 0 or self._driver.suspended:
+            return False
+        items = list(itertools.islice(source, room))
+        if items:
+            self._driver.call(lambda: [self._submit_group(it, n, sp) for it in items])
+        return len(items) < room
 
     def _submit_group(self, item: Any, n: int, sp: SamplingParams, for_collect: bool = True) -> int:
-        if self._suspended:
+        if self._driver.suspended:
             raise RuntimeError("RolloutManager is suspended: call resume() before generating")
         prompt, meta = item, None
         if isinstance(item, Mapping):  # {"prompt": ..., "sampling_params": ..., **metadata}
@@ -543,50 +502,18 @@ class RolloutManager(EngineDriver):
             g.records[i] = None
             self._counters["samples_regenerated"] += 1
         self._groups[g.gid] = g
-        self._call_later(lambda: [self._submit_sample(g, i) for i in stale])
+        self._driver.call_later(lambda: [self._submit_sample(g, i) for i in stale])
         return None
 
-    def _exhausted(self) -> bool:
-        """Nothing more can become ready: source done and no collect group in flight."""
-        return self._source_done and not any(
+    def _exhausted(self, source_ended: bool) -> bool:
+        """Nothing more can become ready: source ended, no collect group in flight (under `_cv`)."""
+        return source_ended and not any(
             g.for_collect and not g.complete for g in self._groups.values()
-        )
-
-    def _exhausted_now(self) -> bool:
-        with self._cv:
-            return self._exhausted() and not self._ready
-
-    def _can_refill(self) -> bool:
-        return (
-            self._source is not None
-            and not self._source_done
-            and self._num_collect_groups() < self._inflight_cap()
         )
 
     def _num_collect_groups(self) -> int:
         with self._cv:
             return sum(1 for g in self._groups.values() if g.for_collect)
-
-
-def _cluster_options(run: Any) -> dict[str, Any]:
-    """EngineCluster kwargs from a run config's coordinator group."""
-    c = run.coordinator
-    coordinator = {
-        "host": c.host, "port": c.port, "policy": getattr(c.policy, "value", c.policy),
-        "alpha": c.prefix_alpha, "max_hash_entries": c.prefix_table_size,
-        "heartbeat_s": c.heartbeat_s, "engine_timeout_s": c.engine_timeout_s,
-        "deterministic": c.deterministic, "schedule_output_path": c.schedule_log,
-        "block_size": run.engine.block_size,
-    }  # fmt: skip
-    from rollout.serving.auth import resolve_token
-
-    restart = {"max_restarts": c.max_restarts, "window_s": c.restart_window_s,
-               "backoff_s": c.restart_backoff_s, "backoff_max_s": c.restart_backoff_max_s}  # fmt: skip
-    return {"coordinator": coordinator, "auth_token": resolve_token(c.token, c.token_file),
-            "seed": run.recipe.seed, "restart": restart,
-            "weights_snapshot": getattr(c.weights_snapshot, "value", c.weights_snapshot),
-            "weight_sync_transport": getattr(c.weight_sync_transport, "value",
-                                             c.weight_sync_transport)}  # fmt: skip
 
 
 def _check_n(n: int) -> None:
