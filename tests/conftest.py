@@ -1,4 +1,5 @@
-"""Shared test setup: offline W&B, deterministic torch, few threads (2-core CI machine)."""
+"""Shared test setup: offline W&B, deterministic torch, few threads (2-core CI machine), and
+the tiny model most engine tests run (tests/reference.py builds it)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ os.environ.setdefault("WANDB_SILENT", "true")
 
 import pytest
 import torch
+from reference import tiny_model
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -17,3 +19,11 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 def _seed_torch():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    """The tiny byte-vocabulary model with seed-0 weights, built once per test module. Tests
+    must not change its weights (update_weights on a private `tiny_model()` instead); a module
+    that needs other weights defines its own `model`."""
+    return tiny_model(seed=0)

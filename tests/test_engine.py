@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import greedy, prompts_of, tiny_model
+from reference import greedy, prompts_of
 
 from rollout import hashing
 from rollout.engine import DynamicInferenceEngine, InferenceConfig
@@ -27,11 +27,6 @@ class IdTokenizer:
 
     def decode(self, ids) -> str:
         return " ".join(str(i) for i in ids)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model(seed=0)
 
 
 _REF: dict[tuple, list[int]] = {}

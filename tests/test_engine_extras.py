@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import prompts_of
 
 from rollout.hashing import compute_block_hashes_batched
 from rollout.sampling import SamplingParams
 from rollout.tokenizers import ByteTokenizer, tokenize_with
-from tests.test_engine import GREEDY, engine, model, prompts_of, reference  # noqa: F401
+from tests.test_engine import GREEDY, engine, reference
 
 BS = 4
 
 
-def test_precomputed_hashes_are_the_cache_keys(model):  # noqa: F811
+def test_precomputed_hashes_are_the_cache_keys(model):
     eng = engine(model, block_size=BS)
     a, b = prompts_of([13, 13], seed=4)
     fake = [111, 222, 333]  # 3 complete blocks
@@ -36,7 +37,7 @@ def test_precomputed_hashes_are_the_cache_keys(model):  # noqa: F811
     assert rec.requests[0].precomputed_block_hashes == fake
 
 
-def test_partial_precomputed_hashes_extend_with_computed_ones(model):  # noqa: F811
+def test_partial_precomputed_hashes_extend_with_computed_ones(model):
     eng = engine(model, block_size=BS)
     (a,) = prompts_of([17], seed=6)
     real = compute_block_hashes_batched(a, BS)
@@ -61,7 +62,7 @@ def test_partial_precomputed_hashes_extend_with_computed_ones(model):  # noqa: F
     ],
     ids=["more-hashes-than-blocks", "zero", "float", "over-int64", "str", "bool"],
 )
-def test_bad_precomputed_hashes_raise(model, bad, match):  # noqa: F811
+def test_bad_precomputed_hashes_raise(model, bad, match):
     eng = engine(model, block_size=BS)
     (a,) = prompts_of([9])
     with pytest.raises(ValueError, match=match):
@@ -69,7 +70,7 @@ def test_bad_precomputed_hashes_raise(model, bad, match):  # noqa: F811
     assert not eng.has_unfinished_requests()
 
 
-def test_pop_evicted_hashes_reports_evictions_and_weight_drops(model):  # noqa: F811
+def test_pop_evicted_hashes_reports_evictions_and_weight_drops(model):
     eng = engine(model, block_size=BS, num_blocks=8, max_requests=2)
     one = GREEDY.replace(num_tokens_to_generate=1)
     a, b = prompts_of([13, 25], seed=8)
@@ -86,7 +87,7 @@ def test_pop_evicted_hashes_reports_evictions_and_weight_drops(model):  # noqa: 
     assert set(eng.pop_evicted_hashes()) == cached  # every old-version block dropped
 
 
-def test_pop_evicted_hashes_after_suspend_recompute(model):  # noqa: F811
+def test_pop_evicted_hashes_after_suspend_recompute(model):
     eng = engine(model, block_size=BS)
     (a,) = prompts_of([12])
     eng.generate([a], GREEDY.replace(num_tokens_to_generate=1))
@@ -96,7 +97,7 @@ def test_pop_evicted_hashes_after_suspend_recompute(model):  # noqa: F811
     eng.resume()
 
 
-def test_str_prompts_tokenize_as_tokenize_with(model):  # noqa: F811
+def test_str_prompts_tokenize_as_tokenize_with(model):
     """The convention a worker relies on to rebuild a resumed text prompt: a str prompt's tokens
     are tokenize_with(engine.tokenizer, text, bos=True)."""
     tok = ByteTokenizer()

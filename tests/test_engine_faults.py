@@ -18,11 +18,6 @@ GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=6, ignore_eos=Tr
 PROMPTS = [[1, 2, 3], [40, 41, 42, 43, 44], [7] * 19, [100, 90, 80, 70]]
 
 
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model(seed=0)
-
-
 def padded_model() -> torch.nn.Module:
     """Vocabulary 300 over a 259-id tokenizer (like Qwen2.5's padded embedding); the padding
     rows are silent except id 299, which the model prefers wherever it would emit 35."""

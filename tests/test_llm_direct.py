@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from reference import greedy, tiny_model
+from reference import greedy
 
 from rollout import LLM, AsyncLLM, InferenceConfig, SamplingParams
 from rollout.llm import _normalize_prompts
@@ -14,8 +14,7 @@ SP = SamplingParams(temperature=0.0, num_tokens_to_generate=4, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def llm_parts():
-    model = tiny_model(seed=0)
+def llm_parts(model):
     return model, ByteTokenizer(), InferenceConfig(num_blocks=64)
 
 
