@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from tokenizers import Tokenizer
+
 MARKER_FILE = "rollout_tokenizer.json"  # written by ByteTokenizer.save
 REPLACEMENT = "\ufffd"  # the text of an id the tokenizer does not know
 
@@ -177,8 +179,6 @@ def load_tokenizer(path: str | os.PathLike) -> ByteTokenizer | HFTokenizer:
         return ByteTokenizer()
     if not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(f"no tokenizer.json or {MARKER_FILE} in {path}")
-    from tokenizers import Tokenizer
-
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     specials = {**_read_json(path / "special_tokens_map.json"),
                 **_read_json(path / "tokenizer_config.json")}  # fmt: skip
@@ -206,9 +206,9 @@ def load_tokenizer(path: str | os.PathLike) -> ByteTokenizer | HFTokenizer:
 # -- adapters: this module's interface, or a Hugging Face tokenizer (the engine's view) ----------
 def _hf_kind(tokenizer: Any) -> str | None:
     """Which Hugging Face package `tokenizer` comes from ("tokenizers" or "transformers"), None
-    for this module's interface. Neither is imported here: an instance exists only once it is."""
-    tk = sys.modules.get("tokenizers")
-    if tk is not None and isinstance(tokenizer, tk.Tokenizer):
+    for this module's interface. transformers is not imported here (heavy, optional): an
+    instance of one of its tokenizers exists only once it is."""
+    if isinstance(tokenizer, Tokenizer):
         return "tokenizers"
     tf = sys.modules.get("transformers")
     if tf is not None and isinstance(tokenizer, tf.PreTrainedTokenizerBase):
