@@ -15,12 +15,20 @@ import json
 import os
 import platform
 import socket
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.multiprocessing as mp
+
+from rollout.engine.config import InferenceConfig
+from rollout.models import ModelConfig, build_model
+from rollout.rl.manager import RolloutManager
+from rollout.sampling import SamplingParams
+from rollout.weights.broadcast import WeightReceiver, WeightSender, init_weight_sync_group
+from trainer_hooks.loop import grpo_loss
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGET_ASYNC_SPEEDUP = 1.5
@@ -37,8 +45,6 @@ def _lengths(num: int, seed: int, lo: int, hi: int) -> list[int]:
 
 
 def _prompt_source(lengths: list[int]):
-    from rollout.sampling import SamplingParams
-
     for i, n in enumerate(lengths):
         sp = SamplingParams(num_tokens_to_generate=n, ignore_eos=True, seed=i)
         yield {"prompt": [i % 250 + 1, 7, 3], "sampling_params": sp}
@@ -50,11 +56,6 @@ def _reward(sample) -> float:
 
 def run_rl(mode: str, groups: int, n: int, lengths: list[int], preset: str) -> dict:
     """Train on every prompt of `lengths` exactly once (same work in both modes) and time it."""
-    from rollout.engine.config import InferenceConfig
-    from rollout.models import ModelConfig, build_model
-    from rollout.rl.manager import RolloutManager
-    from trainer_hooks.loop import grpo_loss
-
     torch.manual_seed(0)
     cfg = ModelConfig.preset(preset, vocab_size=256)
     trainer = build_model(cfg)
@@ -125,8 +126,6 @@ def _free_port() -> int:
 def _sync_worker(rank: int, world: int, port: int, nbytes: int, bucket: int, reps: int, out: str):
     import torch.distributed as dist
 
-    from rollout.weights.broadcast import WeightReceiver, WeightSender, init_weight_sync_group
-
     torch.set_num_threads(1)
     init_weight_sync_group(rank, world, f"tcp://127.0.0.1:{port}", "gloo", timeout_s=300)
     numel = nbytes // 4 // 8
@@ -173,8 +172,6 @@ def _sync_worker(rank: int, world: int, port: int, nbytes: int, bucket: int, rep
 
 
 def run_sync(nbytes: int, bucket: int, reps: int, receivers: int = 2) -> dict:
-    import tempfile
-
     out = os.path.join(tempfile.mkdtemp(), "sync.json")
     world = receivers + 1
     mp.start_processes(

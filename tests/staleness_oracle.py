@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rollout.serving import factory
+
 
 def _key(seq: Any) -> str:
     return ",".join(map(str, seq.record.requests[0].prompt_tokens.tolist()))
@@ -71,9 +73,7 @@ def instrument(engine: Any, log_path: str | os.PathLike) -> Any:
 
 def build_engine(log_dir: str, **kwargs: Any) -> Any:
     """Worker-process factory: the standard engine, instrumented, one log file per process."""
-    from rollout.serving.factory import build_engine as build
-
-    return instrument(build(**kwargs), Path(log_dir) / f"engine-{os.getpid()}.jsonl")
+    return instrument(factory.build_engine(**kwargs), Path(log_dir) / f"engine-{os.getpid()}.jsonl")
 
 
 @dataclass
