@@ -4,11 +4,11 @@ Direct mode (`use_coordinator=False`) drives a `DynamicInferenceEngine` in-proce
 runs `engine.step()` to completion, and lifecycle methods raise RuntimeError.
 
 Coordinator mode (`use_coordinator=True`) starts a coordinator and `data_parallel_size` engine
-processes (`rollout.serving.cluster.EngineCluster`; every engine loads the same weights) and talks to
-them through an `InferenceClient` on a background event loop (seed 002's event-loop manager +
-coordinator runtime). `generate` submits every prompt and gathers the records in input order;
-pause/unpause/suspend/resume resolve only when every engine acknowledged; `update_weights`
-broadcasts new weights; `shutdown` leaves no process behind.
+processes (`rollout.serving.cluster.EngineCluster`; every engine loads the same weights) and
+talks to them through an `InferenceClient` on the cluster's background event loop. `generate`
+submits every prompt and gathers the records in input order; pause/unpause/suspend/resume
+resolve only when every engine acknowledged; `update_weights` broadcasts new weights;
+`shutdown` leaves no process behind.
 """
 
 from __future__ import annotations

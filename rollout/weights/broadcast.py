@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import time
 from collections.abc import Callable, Mapping
 
@@ -427,8 +428,6 @@ def init_weight_sync_group(
     timeout_s: float = 300.0,
 ) -> dist.ProcessGroup:
     """Initialise the default process group for weight sync (gloo on CPU, NCCL on CUDA)."""
-    import datetime
-
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(

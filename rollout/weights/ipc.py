@@ -22,6 +22,7 @@ import bisect
 import contextlib
 import dataclasses
 import mmap
+import multiprocessing as mp
 import os
 import secrets
 import tempfile
@@ -414,8 +415,6 @@ def benchmark_ipc_sync(
     map, verify, copy into the receiver's tensors, ack, free) against a plain copy of the same
     bytes on that device (`copy_`). Best of `repeats` after one warm-up each; the receiver's
     tensors are checked bit-identical to the sender's."""
-    import multiprocessing as mp
-
     dev = torch.device(device)
     sd = _bench_state(nbytes, dev)
     specs = [[k, list(v.shape)] for k, v in sd.items()]
