@@ -1,5 +1,6 @@
-"""The engine contract: the real engine and the test fake implement every EngineProtocol member,
-with parameters a caller of the protocol can pass (a structural check, not only isinstance)."""
+"""The engine contract: every engine implements every EngineProtocol member, with parameters a
+caller of the protocol can pass (a structural check, not only isinstance). Instances of the real
+engine and the fake are checked whole; ClusterEngine (it needs a cluster) by its methods."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from fake_engine import FakeEngine
 from reference import tiny_model
 
 from rollout.engine import DynamicInferenceEngine, EngineProtocol, InferenceConfig
+from rollout.serving.cluster_engine import ClusterEngine
 from rollout.tokenizers import ByteTokenizer
 
 ATTRIBUTES = sorted(EngineProtocol.__annotations__)
@@ -35,28 +37,34 @@ def test_the_protocol_names_its_members():
 
 
 @pytest.mark.parametrize("kind", sorted(ENGINES))
-def test_engine_implements_every_protocol_member(kind):
+def test_engine_instance_satisfies_the_protocol(kind):
     engine = ENGINES[kind]()
     assert isinstance(engine, EngineProtocol)
     for name in ATTRIBUTES:
         assert hasattr(engine, name), f"{kind} engine lacks attribute {name}"
+
+
+@pytest.mark.parametrize("cls", [DynamicInferenceEngine, FakeEngine, ClusterEngine])
+def test_engine_methods_take_the_protocols_parameters(cls):
+    """Every protocol method exists, accepts each protocol parameter by name (optional where
+    the protocol's is) and requires nothing the protocol does not pass."""
     for name in METHODS:
-        impl = getattr(engine, name, None)
-        assert callable(impl), f"{kind} engine lacks method {name}"
+        impl = getattr(cls, name, None)
+        assert callable(impl), f"{cls.__name__} lacks method {name}"
         wanted = [p for p in inspect.signature(getattr(EngineProtocol, name)).parameters.values()
                   if p.name != "self"]  # fmt: skip
-        have = inspect.signature(impl).parameters
+        have = dict(inspect.signature(impl).parameters)
+        have.pop("self", None)
         for p in wanted:
-            assert p.name in have, f"{kind} engine's {name}() takes no {p.name!r}"
+            assert p.name in have, f"{cls.__name__}.{name}() takes no {p.name!r}"
             if p.default is not inspect.Parameter.empty:
                 assert have[p.name].default is not inspect.Parameter.empty, (
-                    f"{kind} engine's {name}() requires {p.name!r}, optional in the protocol"
+                    f"{cls.__name__}.{name}() requires {p.name!r}, optional in the protocol"
                 )
-        required = [n for n, q in have.items() if q.default is inspect.Parameter.empty
-                    and q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD)]  # fmt: skip
-        assert set(required) <= {p.name for p in wanted}, (
-            f"{kind} engine's {name}() requires {set(required) - {p.name for p in wanted}}"
-        )
+        required = {n for n, q in have.items() if q.default is inspect.Parameter.empty
+                    and q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD)}  # fmt: skip
+        extra = required - {p.name for p in wanted}
+        assert not extra, f"{cls.__name__}.{name}() requires {extra}"
 
 
 @pytest.mark.parametrize("kind", sorted(ENGINES))
