@@ -160,7 +160,7 @@ class RolloutManager:
             0,
         )
         self._last: dict[str, float] = {}
-        self._driver = EngineDriver(  # async: its thread starts stepping the engine now
+        self._driver = EngineDriver(  # async: starts the thread that owns the engine
             engine, self._step, self.config.collect_timeout_s, self.config.mode == "async"
         )
         self._cv = self._driver.cv  # guards groups, requests and ready (shared with the driver)
@@ -168,7 +168,7 @@ class RolloutManager:
         self._atexit = lambda: (m := ref()) is not None and m.close()
         atexit.register(self._atexit)
 
-    def _start_cluster(self, model: Any, tokenizer: Any, icfg: Any, options: Any) -> Any:
+    def _start_cluster(self, model: Any, tokenizer: Any, icfg: Any, options: Any) -> ClusterEngine:
         """dp > 1: a coordinator and `dp` engine processes loading `model`'s weights."""
         if model is None:
             raise ValueError("RolloutManager with dp > 1 needs model= (module, state_dict, "
