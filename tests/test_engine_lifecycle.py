@@ -165,6 +165,9 @@ def test_bad_state_dict_is_rejected_and_old_weights_serve(weights):
         eng.update_weights(bad_shape, version=1)
     with pytest.raises(ValueError, match=r"unexpected tensors \['nope'\]"):
         eng.update_weights({**good, "nope": torch.zeros(1)}, version=1)
+    forgotten = {k: v for k, v in good.items() if k != name}  # would keep serving old weights
+    with pytest.raises(ValueError, match=r"missing tensors \['model.layers.0.mlp.up_proj"):
+        eng.update_weights(forgotten, version=1)
     with pytest.raises(ValueError, match="version"):
         eng.update_weights(good, version=0)
     assert eng.weight_version == 0

@@ -503,8 +503,9 @@ class DynamicInferenceEngine:
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy `state_dict` into the model in place and stamp `version`.
 
-        Every name must exist in the model with the same shape (a subset is fine: bucketed
-        updates); floating-point tensors cast to the model's dtype, others must match it.
+        A new version is a whole model: every tensor of the model, each with its shape (a
+        forgotten one would silently keep serving old weights); floating-point tensors cast to
+        the model's dtype, others must match it.
         Anything wrong raises ValueError before a single weight changes. Then every in-flight
         request's staleness goes up by one (policy only for those without KV), the KV policy is
         applied, and prefix-cache blocks from older weights are dropped.
@@ -549,7 +550,7 @@ class DynamicInferenceEngine:
             cast = t.dtype.is_floating_point and name in targets
             specs[name] = (targets[name].dtype if cast else t.dtype, tuple(t.shape))
         try:
-            check_compatible(targets, specs, strict=False)
+            check_compatible(targets, specs)
         except ValueError as e:
             raise ValueError(f"update_weights rejected, old weights still serve: {e}") from None
         return targets

@@ -58,7 +58,7 @@ def check_compatible(
         if tuple(t.shape) != tuple(shape):
             problems.append(f"{name}: shape {tuple(shape)} != model {tuple(t.shape)}")
         if t.dtype != dtype and not allow_cast:
-            problems.append(f"{name}: dtype {dtype} != model {t.dtype} (pass allow_cast=True)")
+            problems.append(f"{name}: dtype {dtype} != model {t.dtype}")
     if problems:
         raise ValueError("incompatible weights: " + "; ".join(problems))
 
