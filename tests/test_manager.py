@@ -171,6 +171,10 @@ def test_update_weights_validates_and_versions():
         bad["bogus"] = torch.zeros(1)
         with pytest.raises(ValueError, match=r"bogus.*|model\.norm\.weight"):
             m.update_weights(bad)
+        partial = _weights(1)
+        partial.pop("model.norm.weight")
+        with pytest.raises(ValueError, match="missing"):
+            m.update_weights(partial)
         for k, v in m.engine.model.state_dict().items():
             assert torch.equal(v, before[k]), k
         assert m.update_weights(_weights(1), version=7) == 7
