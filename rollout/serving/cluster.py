@@ -158,6 +158,8 @@ class EngineCluster:
         return self.engine_processes
 
     def _spawn_engine(self, rank: int, factory_kwargs: dict[str, Any]) -> mp.Process:
+        # the worker announces the engine's block size and capacity: what the factory
+        # configures from these kwargs (InferenceConfig's defaults where they name none)
         wkw: dict[str, Any] = {
             "block_size": factory_kwargs.get("block_size", InferenceConfig.block_size),
             "capacity": factory_kwargs.get("max_requests", InferenceConfig.max_requests),
