@@ -245,8 +245,9 @@ class Harness:
     def add_engine(self, rank: int, auth_token: Any = _HARNESS_TOKEN, **fake: Any):
         if auth_token is _HARNESS_TOKEN:
             auth_token = self.auth_token
-        engine = FakeEngine(FakeConfig(**fake))
-        worker = EngineWorker(engine, self.address, rank, auth_token=auth_token,
+        config = FakeConfig(**fake)
+        worker = EngineWorker(FakeEngine(config), self.address, rank, auth_token=auth_token,
+                              block_size=config.block_size, capacity=config.max_requests,
                               coordinator_timeout_s=5.0)  # fmt: skip
         t = threading.Thread(target=_run_quietly, args=(worker,), daemon=True)
         t.start()

@@ -83,7 +83,8 @@ def test_pop_evicted_hashes_reports_evictions_and_weight_drops(model):
     assert gone and set(gone) <= set(ha) and not set(gone) & set(eng.blocks.cache)
     assert eng.pop_evicted_hashes() == []  # each reported once
     cached = set(eng.blocks.cache)
-    eng.update_weights({"model.norm.weight": torch.ones(model.config.hidden_size)}, version=1)
+    same = {k: v.detach().clone() for k, v in eng.model.state_dict().items()}
+    eng.update_weights(same, version=1)  # a new version, even with equal values
     assert set(eng.pop_evicted_hashes()) == cached  # every old-version block dropped
 
 

@@ -102,7 +102,7 @@ class CoordinatorCfg:
     weights_snapshot: WeightsSnapshot = WeightsSnapshot.memory
     # How update_weights reaches the engines (dp > 1): a process-group broadcast, or ipc (they
     # map the trainer's packed weights: shared memory / CUDA IPC); auto = ipc when the trainer's
-    # weights sit on the engines' device (rollout.serving.cluster AUTO_IPC_DEVICES).
+    # weights sit on the engines' device (rollout.weights.trainer_sync AUTO_IPC_DEVICES).
     weight_sync_transport: WeightSyncTransport = WeightSyncTransport.auto
 
 

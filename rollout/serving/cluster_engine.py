@@ -19,8 +19,8 @@ _WAKE = object()
 
 
 class ClusterEngine:
-    """`rollout.engine.interface.EngineProtocol` backed by an EngineCluster, so RolloutManager
-    runs unchanged at dp=N.
+    """`rollout.engine.interface.EngineProtocol` backed by an EngineCluster: the RolloutManager
+    drives N engine processes exactly as it drives one in-process engine.
 
     `step()` blocks (up to `step_timeout_s`, or until `wake()`) for finished records instead of
     computing: the engines run on their own. Records come back with the caller's request ids.
