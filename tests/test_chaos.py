@@ -23,7 +23,7 @@ import pytest
 import zmq
 from reference import tiny_model
 from test_coordinator_hostile import _empty_maps_frame, _trickle, _zmtp_dealer
-from test_engine_faults import error_of, padded_model
+from test_engine_fault_isolation import error_of, padded_model
 from test_supervision import wait_for
 
 from rollout import LLM, InferenceConfig, SamplingParams

@@ -68,7 +68,7 @@ PROMPTS_8 = ["x", "qq", "12345", "Zebra!", "hello world", " ", "~~", "Q"]  # 8 d
 def test_one_undecodable_result_in_a_batch_of_eight_fails_alone(llm_parts):
     """Finding 2 in direct mode: one result the tokenizer cannot decode lost all eight (the
     step raised out of generate, seven healthy requests stranded in the engine)."""
-    from test_engine_faults import StrictTokenizer
+    from test_engine_fault_isolation import StrictTokenizer
 
     model, tok, cfg = llm_parts
     clean = LLM(model, tok, cfg).generate(PROMPTS_8, SP)
@@ -99,7 +99,7 @@ def test_one_untokenizable_prompt_in_a_batch_of_eight_fails_alone(llm_parts):
 
 
 def test_ids_past_the_tokenizer_in_a_batch_of_eight_are_replacement_text():
-    from test_engine_faults import padded_model
+    from test_engine_fault_isolation import padded_model
 
     model = padded_model()
     llm = LLM(model, ByteTokenizer(), InferenceConfig(num_blocks=64))

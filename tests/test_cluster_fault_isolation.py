@@ -6,7 +6,7 @@ the healthy ones, and no engine dies or restarts."""
 from __future__ import annotations
 
 import pytest
-from test_engine_faults import padded_model
+from test_engine_fault_isolation import padded_model
 
 from rollout import LLM, InferenceConfig, SamplingParams
 from rollout.tokenizers import ByteTokenizer

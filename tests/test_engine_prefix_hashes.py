@@ -1,4 +1,4 @@
-"""Engine extras for the serving path: given block hashes, evicted-hash reports, str prompts."""
+"""The engine on the serving path: precomputed block hashes as cache keys, evicted-hash reports, str prompts."""
 
 from __future__ import annotations
 
