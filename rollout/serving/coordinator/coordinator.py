@@ -396,7 +396,12 @@ class DataParallelInferenceCoordinator:
         self._next_control += 1
         seq = self._next_control
         live = [e for e in self.engines.values() if not e.stopped]
-        pc = PendingControl(client.identity, cid, header, {e.identity for e in live})
+        pc = PendingControl(
+            client=client.identity,
+            client_control_id=cid,
+            signal=header,
+            waiting={e.identity for e in live},
+        )
         self.controls[seq] = pc
         frame = encode(header, seq, *fields[1:])
         for e in live:

@@ -85,17 +85,17 @@ class RequestPath:
         self._next_request_id += 1
         rid = self._next_request_id
         p = Pending(
-            rid,
-            client.identity,
-            crid,
-            prompt,
-            sp,
-            num_tokens,
-            prompt_len,
-            hashes,
-            pack_hashes(hashes) if hashes else b"",
-            stream,
-            self._affinity(prompt, hashes),
+            request_id=rid,
+            client=client.identity,
+            client_request_id=crid,
+            prompt=prompt,
+            sampling_params=sp,
+            num_tokens=num_tokens,
+            prompt_len=prompt_len,
+            hashes=hashes,
+            packed_hashes=pack_hashes(hashes) if hashes else b"",
+            stream=stream,
+            affinity=self._affinity(prompt, hashes),
         )
         self.requests[rid] = p
         client.requests[crid] = rid
