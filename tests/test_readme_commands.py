@@ -490,7 +490,7 @@ def test_trainer_snippet():
     names = dict(
         policy=policy, policy_copy=copy.deepcopy(policy), tok=tok, steps=2, grpo_loss=grpo_loss,
         icfg=InferenceConfig(max_sequence_length=64), reward=lambda s: float(len(s.completion_tokens) % 2),
-        prompt_source=itertools.cycle(["12>", "345>", "6789>"]),
+        dataset=itertools.cycle(["12>", "345>", "6789>"]),
         opt=torch.optim.SGD(policy.parameters(), lr=1e-3),
     )  # fmt: skip
     ns = exec_snippet("### As a trainer's rollout layer", names)
