@@ -1,0 +1,154 @@
+"""Chat templates: a checkpoint's own jinja template, rendered the way Hugging Face
+transformers renders it (`apply_chat_template(tokenize=False)`), without loading transformers.
+
+The prompt a model was trained on is defined by that rendering, down to whitespace: a sandboxed
+jinja2 environment with `trim_blocks` and `lstrip_blocks`, the `loopcontrols` extension, a
+`tojson` filter that does not HTML-escape, and the `raise_exception` / `strftime_now` globals.
+Templates come from the Hub and are untrusted code, hence the immutable sandbox. Messages are
+expected as JSON data (what an HTTP request carries).
+
+Template problems surface as `ValueError` naming the problem, so the HTTP layer can answer 400.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+TOKENIZER_CONFIG = "tokenizer_config.json"
+TEMPLATE_FILE = "chat_template.jinja"  # newer checkpoints keep the template out of the config
+NAMED_TEMPLATES_DIR = "additional_chat_templates"  # {name}.jinja, next to TEMPLATE_FILE
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def load_chat_template(model_dir: str | Path, name: str = "default") -> str | None:
+    """The checkpoint's chat template called `name` (falling back to "default"), or None.
+
+    As in transformers, template files win over `chat_template` in `tokenizer_config.json`,
+    where it is either a string or a list of `{"name", "template"}` dicts.
+    """
+    model_dir = Path(model_dir)
+    for candidate in (model_dir / NAMED_TEMPLATES_DIR / f"{name}.jinja", model_dir / TEMPLATE_FILE):
+        if candidate.is_file():
+            return candidate.read_text(encoding="utf-8")
+    template = _read_json(model_dir / TOKENIZER_CONFIG).get("chat_template")
+    if isinstance(template, list):
+        named = {t["name"]: t["template"] for t in template}
+        return named.get(name, named.get("default"))
+    return template
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as `tokenizer_config.json` writes it: a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def special_tokens_of(model_dir: str | Path) -> dict[str, str]:
+    """Every `*_token` string the checkpoint names (bos_token, eos_token, ...): templates read
+    them as variables, and transformers passes them all."""
+    model_dir = Path(model_dir)
+    tokens: dict[str, str] = {}
+    # special_tokens_map.json is the older home of the same entries; the config wins.
+    for source in (model_dir / "special_tokens_map.json", model_dir / TOKENIZER_CONFIG):
+        for key, value in _read_json(source).items():
+            if key.endswith("_token") and (text := _token_text(value)) is not None:
+                tokens[key] = text
+    return tokens
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # jinja's own tojson HTML-escapes (<, >, &, '), which would change the prompt.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """`namespace()` that refuses underscore names, which could reach interpreter internals."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        self, attrs = args[0], dict(*args[1:], **kwargs)
+        for key in attrs:
+            _Namespace._check(key)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        _Namespace._check(key)
+        jinja2.utils.Namespace.__setitem__(self, key, value)
+
+    @staticmethod
+    def _check(key: Any) -> None:
+        if isinstance(key, str) and key.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"namespace attribute {key!r} is not allowed")
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals.update(
+        raise_exception=_raise_exception, strftime_now=_strftime_now, namespace=_Namespace
+    )
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat template does not parse (line {e.lineno}): {e.message}") from e
+
+
+def render_chat(
+    template: str,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
+    documents: list[dict] | None = None,
+    **context: Any,
+) -> str:
+    """The prompt text for `messages`; `context` carries the special tokens and any extra
+    template variables. Keys whose value is None are dropped from each message, as transformers
+    does: OpenAI clients send `content: null` beside `tool_calls`, which templates mishandle."""
+    if not messages:
+        raise ValueError("cannot render an empty conversation: give at least one message")
+    if not all(isinstance(m, dict) for m in messages):
+        raise ValueError("each chat message must be an object with a role and content")
+    messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    compiled = _compile(template)
+    try:
+        return compiled.render(
+            messages=messages,
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            **context,
+        )
+    except jinja2.TemplateError as e:
+        raise ValueError(f"chat template error: {e.message or type(e).__name__}") from e
+    except (TypeError, KeyError, IndexError, AttributeError) as e:
+        raise ValueError(f"chat template failed on these messages: {e}") from e
