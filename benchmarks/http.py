@@ -1,0 +1,252 @@
+"""HTTP front end cost: requests/s and latency through the OpenAI-compatible server against the
+native InferenceClient, both talking to the same coordinator and engine.
+
+One `rollout serve --model tiny --dp 1 --http-port 0` process serves both paths:
+
+  native   rollout.serving.client.InferenceClient straight to the coordinator (ZMQ)
+  http     the official `openai` AsyncOpenAI client -> POST /v1/completions -> the same coordinator
+
+Both send the same token-id prompts with the same sampling (greedy, a fixed number of generated
+tokens, EOS ignored), short generations (16 tokens by default) so the per-request cost of the HTTP
+layer is not hidden behind decoding. Throughput keeps at most `--window` requests in flight;
+latency is one request at a time, the two paths taking turns request by request so both see the
+same machine state. `--trials` repeats everything, alternating which path goes first, and reports
+medians (the machine is shared). The HTTP cost per request is the p50 difference (ms) and the
+requests/s ratio. Writes benchmarks/results/http.json and http.png.
+
+    .venv/bin/python benchmarks/http.py [--requests 1000] [--window 64] [--trials 3]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# This file's folder comes first on sys.path when it runs as a script, where this file would
+# shadow the standard library's `http` package that httpx and openai import.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+from collections import deque  # noqa: E402
+from collections.abc import Awaitable, Callable  # noqa: E402
+
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+import openai  # noqa: E402
+
+from rollout.sampling import SamplingParams  # noqa: E402
+from rollout.serving.client import InferenceClient  # noqa: E402
+
+RESULTS = _HERE / "results"
+ROOT = _HERE.parent
+PATHS = ("native", "http")
+Call = Callable[[list[int]], Awaitable[None]]
+
+
+# ---- the server -------------------------------------------------------------------------------
+
+
+class Server:
+    """`rollout serve ... --http-port 0` in a child process; its addresses read from its output."""
+
+    def __init__(self, model: str, ready_timeout: float = 300.0) -> None:
+        cmd = [sys.executable, "-m", "rollout.cli", "serve", "--model", model, "--dp", "1",
+               "--http-port", "0"]  # fmt: skip
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=env, cwd=ROOT)  # fmt: skip
+        self.coordinator = self.url = self.token = None
+        ready, seen, deadline = False, [], time.monotonic() + ready_timeout
+        while not (ready and self.coordinator and self.url):
+            line = self.proc.stdout.readline()
+            if not line or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError("rollout serve did not come up:\n" + "".join(seen))
+            seen.append(line)
+            if m := re.search(r"coordinator (tcp://\S+)", line):
+                self.coordinator = m[1]
+            if m := re.search(r"(https?://[^\s/]+)", line):
+                self.url = m[1]
+            if m := re.search(r"auth token file (\S+)", line):
+                self.token = Path(m[1]).read_text().strip()
+            ready = ready or line.startswith("ready")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+# ---- the two paths ----------------------------------------------------------------------------
+
+
+def _check(n: int, gen: int, path: str) -> None:
+    if n != gen:
+        raise RuntimeError(f"{path}: {n} tokens generated, expected {gen}")
+
+
+def native_call(client: InferenceClient, gen: int) -> Call:
+    sp = SamplingParams(temperature=0.0, num_tokens_to_generate=gen, ignore_eos=True)
+
+    async def call(prompt: list[int]) -> None:
+        record = await client.add_request(prompt, sp)
+        _check(len(record.merge().generated_tokens), gen, "native")
+
+    return call
+
+
+def http_call(oai: openai.AsyncOpenAI, model: str, gen: int) -> Call:
+    async def call(prompt: list[int]) -> None:
+        r = await oai.completions.create(
+            model=model, prompt=prompt, max_tokens=gen, temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        _check(r.usage.completion_tokens, gen, "http")
+
+    return call
+
+
+# ---- drivers ----------------------------------------------------------------------------------
+
+
+async def throughput(call: Call, prompts: list[list[int]], window: int) -> float:
+    """requests/s with at most `window` in flight (first 20 requests warm up, not timed)."""
+    for p in prompts[:20]:
+        await call(p)
+    inflight: deque = deque()
+    t0 = time.perf_counter()
+    for p in prompts:
+        inflight.append(asyncio.ensure_future(call(p)))
+        if len(inflight) >= window:
+            await inflight.popleft()
+    while inflight:
+        await inflight.popleft()
+    return len(prompts) / (time.perf_counter() - t0)
+
+
+async def latency(calls: dict[str, Call], prompts: list[list[int]]) -> dict[str, list[float]]:
+    """Round trips of one request at a time, the paths taking turns request by request."""
+    out: dict[str, list[float]] = {k: [] for k in calls}
+    order = list(calls)
+    for i, p in enumerate(prompts):
+        for k in order[i % 2 :] + order[: i % 2]:
+            t0 = time.perf_counter()
+            await calls[k](p)
+            out[k].append(time.perf_counter() - t0)
+    return out
+
+
+def _summary(rps: float, lat: list[float]) -> dict:
+    ms = np.asarray(lat) * 1e3
+    return {"rps": rps, "p50_ms": float(np.percentile(ms, 50)),
+            "p99_ms": float(np.percentile(ms, 99))}  # fmt: skip
+
+
+async def run(server: Server, args: argparse.Namespace) -> dict[str, list[dict]]:
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, 250, args.prompt_len).tolist() for _ in range(args.requests)]
+    client = await InferenceClient(server.coordinator, auth_token=server.token).start()
+    limits = httpx.Limits(max_connections=args.window, max_keepalive_connections=args.window)
+    oai = openai.AsyncOpenAI(
+        base_url=f"{server.url}/v1", api_key=server.token or "none", max_retries=0,
+        http_client=httpx.AsyncClient(limits=limits, timeout=120.0),
+    )  # fmt: skip
+    try:
+        model = (await oai.models.list()).data[0].id
+        calls = {"native": native_call(client, args.max_tokens),
+                 "http": http_call(oai, model, args.max_tokens)}  # fmt: skip
+        trials: dict[str, list[dict]] = {k: [] for k in PATHS}
+        for t in range(args.trials):
+            order = PATHS if t % 2 == 0 else PATHS[::-1]
+            rps = {k: await throughput(calls[k], prompts, args.window) for k in order}
+            lat = await latency(calls, prompts[: args.latency_requests])
+            for k in PATHS:
+                trials[k].append(_summary(rps[k], lat[k]))
+            print(f"trial {t}", json.dumps({k: {m: round(v, 2) for m, v in trials[k][-1].items()}
+                                            for k in PATHS}), flush=True)  # fmt: skip
+        return trials
+    finally:
+        await oai.close()
+        client.stop()
+
+
+# ---- report -----------------------------------------------------------------------------------
+
+
+def _aggregate(trials: list[dict]) -> dict:
+    med = {m: float(np.median([t[m] for t in trials])) for m in ("rps", "p50_ms", "p99_ms")}
+    return {**med, "trials": trials}
+
+
+def plot(results: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    colors = {"native": "tab:blue", "http": "tab:orange"}
+    x = np.arange(len(PATHS))
+    axes[0].bar(x, [results[k]["rps"] for k in PATHS], color=[colors[k] for k in PATHS])
+    axes[0].set_title("throughput (requests/s, higher is better)")
+    p50 = [results[k]["p50_ms"] for k in PATHS]
+    p99 = [results[k]["p99_ms"] for k in PATHS]
+    axes[1].bar(x, p50, color=[colors[k] for k in PATHS], label="p50")
+    axes[1].scatter(x, p99, color="black", marker="_", s=400, label="p99")
+    axes[1].set_title("single-request latency (ms, lower is better)")
+    axes[1].legend(fontsize=8)
+    for ax in axes:
+        ax.set_xticks(x, ["native InferenceClient", "HTTP (openai client)"])
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--window", type=int, default=64, help="requests in flight at most")
+    ap.add_argument("--latency-requests", type=int, default=200)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--trials", type=int, default=3, help="interleaved runs; medians reported")
+    args = ap.parse_args()
+    server = Server(args.model)
+    try:
+        trials = asyncio.run(run(server, args))
+    finally:
+        server.close()
+    results = {k: _aggregate(v) for k, v in trials.items()}
+    native, http = results["native"], results["http"]
+    cost = {"p50_ms_added": http["p50_ms"] - native["p50_ms"],
+            "rps_ratio_http_vs_native": http["rps"] / native["rps"]}  # fmt: skip
+    meta = {"cpus": os.cpu_count(), "python": platform.python_version(),
+            "openai": openai.__version__, "httpx": httpx.__version__,
+            "load_avg_at_end": os.getloadavg(), **vars(args)}  # fmt: skip
+    RESULTS.mkdir(exist_ok=True)
+    out = {"meta": meta, "results": results, "http_cost": cost}
+    (RESULTS / "http.json").write_text(json.dumps(out, indent=2))
+    title = (f"HTTP front end vs native client, model {args.model}, {args.prompt_len}-token "
+             f"prompts / {args.max_tokens} generated, window {args.window}")  # fmt: skip
+    plot(results, RESULTS / "http.png", title)
+    for k in PATHS:
+        r = results[k]
+        print(f"{k:7s} {r['rps']:8.1f} req/s  p50 {r['p50_ms']:7.2f} ms  p99 {r['p99_ms']:7.2f} ms")
+    print(f"HTTP layer cost per request: +{cost['p50_ms_added']:.2f} ms at p50, "
+          f"{cost['rps_ratio_http_vs_native']:.2f}x the native requests/s")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
