@@ -97,7 +97,11 @@ def _check(n: int, gen: int, path: str) -> None:
 
 
 def native_call(client: InferenceClient, gen: int) -> Call:
-    sp = SamplingParams(temperature=0.0, num_tokens_to_generate=gen, ignore_eos=True)
+    # The HTTP server always computes log-probs (every choice returns them): so does this path,
+    # so the two differ only by the HTTP layer.
+    sp = SamplingParams(
+        temperature=0.0, num_tokens_to_generate=gen, ignore_eos=True, return_log_probs=True
+    )
 
     async def call(prompt: list[int]) -> None:
         record = await client.add_request(prompt, sp)
