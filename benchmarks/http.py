@@ -63,7 +63,7 @@ class Server:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=env, cwd=ROOT)  # fmt: skip
-        self.coordinator = self.url = self.token = None
+        self.coordinator = self.url = self.token = None  # token: the coordinator's
         ready, seen, deadline = False, [], time.monotonic() + ready_timeout
         while not (ready and self.coordinator and self.url):
             line = self.proc.stdout.readline()
@@ -78,6 +78,20 @@ class Server:
             if m := re.search(r"auth token file (\S+)", line):
                 self.token = Path(m[1]).read_text().strip()
             ready = ready or line.startswith("ready")
+        self._wait_healthy(deadline)
+
+    def _wait_healthy(self, deadline: float) -> None:
+        """The address is printed before uvicorn listens: poll /health until it answers."""
+        while True:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.close()
+                raise RuntimeError(f"HTTP server at {self.url} never became healthy")
+            time.sleep(0.1)  # bounded by `deadline`
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -163,7 +177,7 @@ async def run(server: Server, args: argparse.Namespace) -> dict[str, list[dict]]
     client = await InferenceClient(server.coordinator, auth_token=server.token).start()
     limits = httpx.Limits(max_connections=args.window, max_keepalive_connections=args.window)
     oai = openai.AsyncOpenAI(
-        base_url=f"{server.url}/v1", api_key=server.token or "none", max_retries=0,
+        base_url=f"{server.url}/v1", api_key=os.environ.get("ROLLOUT_HTTP_TOKEN", "none"), max_retries=0,
         http_client=httpx.AsyncClient(limits=limits, timeout=120.0),
     )  # fmt: skip
     try:
