@@ -15,18 +15,20 @@ only this user can read, whose path it prints; `rollout engine` reads the same f
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import signal
+import socket
 import sys
 import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from rollout.serving.auth import new_token, resolve_token
+from rollout.serving.auth import new_token, read_token_file, resolve_token
 from rollout.serving.cluster import EngineCluster
 from rollout.serving.coordinator.routing import POLICIES
-from rollout.serving.factory import build_engine
+from rollout.serving.factory import build_engine, tokenizer_from_source
 from rollout.serving.worker import EngineWorker
 
 
@@ -64,7 +66,31 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     _add_engine_options(p)
     p.add_argument("--schedule-log", default=None, help="write routing decisions here on exit")
     p.add_argument("--ready-timeout", type=float, default=300.0)
+    _add_http_options(p)
     p.set_defaults(func=serve)
+
+
+def _add_http_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="also serve the OpenAI-compatible HTTP API on this port (0: a free one)",
+    )
+    p.add_argument("--http-host", default="127.0.0.1", help="HTTP bind address")
+    p.add_argument(
+        "--http-auth-token-file",
+        default=None,
+        help="file holding the bearer token HTTP callers must send "
+        "(default: $ROLLOUT_HTTP_TOKEN, else no HTTP auth)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="jinja chat template file (default: the checkpoint's own)",
+    )
+    p.add_argument("--served-model-name", default=None,
+                   help="model id in /v1/models and responses (default: --model)")  # fmt: skip
 
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -132,6 +158,8 @@ def _check_serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"rollout serve: --port must be in [0, 65535], got {args.port}")
     if args.max_restarts < 0 or args.restart_backoff < 0:
         raise SystemExit("rollout serve: --max-restarts and --restart-backoff must be >= 0")
+    if args.http_port is not None and not 0 <= args.http_port < 65536:
+        raise SystemExit(f"rollout serve: --http-port must be in [0, 65535], got {args.http_port}")
 
 
 def _write_token_file(token: str) -> Path:
@@ -213,6 +241,8 @@ def serve(args: argparse.Namespace) -> int:
         except (RuntimeError, TimeoutError, ConnectionError, PermissionError) as e:
             raise SystemExit(f"rollout serve: {e}") from None
         print(f"ready: {args.dp} engine(s) at {address}", flush=True)
+        if args.http_port is not None:
+            _serve_http(args, address, token, cluster, events)
         while cluster.coordinator_process.is_alive() and not events.all_gave_up.is_set():
             cluster.coordinator_process.join(1.0)
         if events.all_gave_up.is_set():
@@ -230,6 +260,79 @@ def serve(args: argparse.Namespace) -> int:
             token_file.unlink(missing_ok=True)
             token_file.parent.rmdir()
         print("rollout serve: stopped", flush=True)
+
+
+def _http_token(args: argparse.Namespace) -> str | None:
+    try:
+        if args.http_auth_token_file is not None:
+            return read_token_file(args.http_auth_token_file)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"rollout serve: --http-auth-token-file: {e}") from None
+    return os.environ.get("ROLLOUT_HTTP_TOKEN") or None
+
+
+def _serve_http(args: argparse.Namespace, address: str, token: str | None,
+                cluster: EngineCluster, events: _EngineEvents) -> None:  # fmt: skip
+    """Run the OpenAI-compatible HTTP front end in this process until a signal, the coordinator
+    exiting or every engine being given up. uvicorn re-raises the signal it caught once it has
+    shut down, which reaches `_raise_interrupt`: HTTP stops first, then engines, coordinator."""
+    # function-level: fastapi/uvicorn are the optional 'http' extra
+    import uvicorn
+
+    from rollout.serving.http.app import build_app
+    from rollout.serving.http.chat import load_chat_template, special_tokens_of
+
+    http_token = _http_token(args)
+    if http_token is None and not _is_loopback(args.http_host):
+        print(f"WARNING: HTTP on {args.http_host} without a bearer token: anyone who can reach "
+              "it can generate (set --http-auth-token-file or ROLLOUT_HTTP_TOKEN)",
+              file=sys.stderr, flush=True)  # fmt: skip
+    is_dir = Path(args.model).is_dir()
+    if args.chat_template is not None:
+        template = Path(args.chat_template).read_text(encoding="utf-8")
+    else:
+        template = load_chat_template(args.model) if is_dir else None
+    app = build_app(address, auth_token=token,
+                    tokenizer=tokenizer_from_source(None, args.model),
+                    model_name=args.served_model_name or args.model, chat_template=template,
+                    special_tokens=special_tokens_of(args.model) if is_dir else {},
+                    http_token=http_token)  # fmt: skip
+    family = socket.AF_INET6 if ":" in args.http_host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.http_host, args.http_port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(
+            f"rollout serve: cannot bind HTTP {args.http_host}:{args.http_port}: {e}"
+        ) from None
+    sock.listen(
+        2048
+    )  # callers queue from here on, before uvicorn accepts: the URL works once printed
+    host = f"[{args.http_host}]" if family == socket.AF_INET6 else args.http_host
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+
+    def watch() -> None:
+        while cluster.coordinator_process.is_alive() and not events.all_gave_up.is_set():
+            if server.should_exit:
+                return
+            cluster.coordinator_process.join(0.5)
+        server.should_exit = True
+
+    threading.Thread(target=watch, name="http-watch", daemon=True).start()
+    print(f"http http://{host}:{sock.getsockname()[1]}", flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,407 @@
+"""The ASGI app: OpenAI routes in front of the coordinator, joined as an InferenceClient.
+
+Text prompts are tokenized here (with the model's tokenizer, exactly as an engine would) so a
+response can return the exact prompt ids; generation always returns the ids, per-token log-probs
+and the weight version of every token. While engines are paused or suspended the coordinator
+holds requests, so they simply wait; a caller that asks not to wait (`X-Rollout-No-Wait: 1` or
+`"wait": false`) gets 503 instead. A caller that disconnects aborts its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from rollout.sampling import SamplingParams
+from rollout.serving.auth import tokens_match
+from rollout.serving.client import ClientStopped, InferenceClient, Partial, RequestFailed
+from rollout.serving.http.chat import render_chat
+from rollout.serving.http.metrics import HTTPMetrics
+from rollout.serving.http.schemas import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    bad_request,
+    finish_reason,
+    sampling_params,
+)
+from rollout.tokenizers import detokenize_with, tokenize_with
+
+log = logging.getLogger(__name__)
+
+NO_WAIT_HEADER = "x-rollout-no-wait"
+
+
+class Backend:
+    """What the routes share: the client, tokenizer, chat template and metrics."""
+
+    def __init__(self, address: str, auth_token: str | None, tokenizer: Any, model_name: str,
+                 chat_template: str | None, special_tokens: dict[str, str],
+                 http_token: str | None) -> None:  # fmt: skip
+        self.client = InferenceClient(address, auth_token=auth_token)
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.chat_template = chat_template
+        self.special_tokens = special_tokens
+        self.http_token = http_token
+        self.metrics = HTTPMetrics()
+        self.created = int(time.time())
+
+    def text(self, ids: list[int]) -> str:
+        return detokenize_with(self.tokenizer, ids) or ""
+
+    def tokenize(self, text: str, bos: bool) -> list[int]:
+        if self.tokenizer is None:
+            raise bad_request("this model has no tokenizer: give token ids as the prompt", "prompt")
+        return tokenize_with(self.tokenizer, text, bos=bos)
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def build_app(
+    address: str,
+    *,
+    auth_token: str | None = None,
+    tokenizer: Any = None,
+    model_name: str = "model",
+    chat_template: str | None = None,
+    special_tokens: dict[str, str] | None = None,
+    http_token: str | None = None,
+) -> FastAPI:
+    """The app for the coordinator at `address` (joined with its `auth_token`). `http_token`:
+    the bearer token every /v1 route and /metrics require (None: no HTTP auth)."""
+    be = Backend(address, auth_token, tokenizer, model_name, chat_template,
+                 special_tokens or {}, http_token)  # fmt: skip
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await be.client.start()  # on uvicorn's loop: the client's futures live there
+        try:
+            yield
+        finally:
+            be.client.stop()
+
+    app = FastAPI(title="rollout", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.backend = be
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return _error(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+        return _error(bad_request(msg, loc[0] if loc else None))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        log.exception("internal error on %s", request.url.path)
+        return _error(APIError(500, f"internal error: {type(e).__name__}", "server_error"))
+
+    @app.middleware("http")
+    async def _auth_and_metrics(request: Request, call_next: Callable) -> Response:
+        path = request.url.path
+        guarded = path.startswith("/v1/") or path == "/metrics"
+        if guarded and be.http_token is not None:
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not tokens_match(given, be.http_token):
+                be.metrics.request_done(path, 401, 0.0)
+                return _error(APIError(401, "invalid or missing bearer token",
+                                       "invalid_request_error", code="invalid_api_key"))  # fmt: skip
+        t0 = time.perf_counter()
+        response = await call_next(request)
+        be.metrics.request_done(path, response.status_code, time.perf_counter() - t0)
+        return response
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": be.model_name, "object": "model",
+                                            "created": be.created, "owned_by": "rollout"}]}  # fmt: skip
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        stats = await _stats(be)
+        return Response(be.metrics.render(stats), media_type=be.metrics.content_type)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        prompts = _completion_prompts(be, req)
+        return await _generate(be, req, request, prompts, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest, request: Request) -> Response:
+        return await _generate(be, req, request, [_chat_prompt(be, req)], chat=True)
+
+    return app
+
+
+# ---- prompts --------------------------------------------------------------------------------
+
+
+def _completion_prompts(be: Backend, req: CompletionRequest) -> list[list[int]]:
+    p = req.prompt
+    if isinstance(p, str):
+        batch: list = [p]
+    elif p and all(isinstance(x, int) for x in p):
+        batch = [p]
+    else:
+        batch = list(p)
+    if not batch or any(not x for x in batch):
+        raise bad_request("prompt must not be empty", "prompt")
+    return [be.tokenize(x, bos=True) if isinstance(x, str) else list(x) for x in batch]
+
+
+def _chat_prompt(be: Backend, req: ChatRequest) -> list[int]:
+    if req.prompt_token_ids:
+        return list(req.prompt_token_ids)
+    if be.chat_template is None:
+        raise bad_request(f"model {be.model_name!r} has no chat template: use /v1/completions "
+                          "or start the server with --chat-template", "messages")  # fmt: skip
+    try:
+        text = render_chat(be.chat_template, req.messages, req.add_generation_prompt,
+                           **be.special_tokens)  # fmt: skip
+    except ValueError as e:
+        raise bad_request(str(e), "messages") from None
+    return be.tokenize(text, bos=False)  # the template writes the BOS itself, as in HF
+
+
+# ---- generation -----------------------------------------------------------------------------
+
+
+async def _stats(be: Backend) -> dict | None:
+    try:
+        return await asyncio.wait_for(be.client.stats(), 5.0)
+    except (asyncio.TimeoutError, ClientStopped):
+        return None
+
+
+async def _check_wait(be: Backend, req: Any, request: Request) -> None:
+    if req.wait and request.headers.get(NO_WAIT_HEADER, "") not in ("1", "true"):
+        return
+    stats = await _stats(be)
+    state = stats["state"] if stats else "UNREACHABLE"
+    if state != "RUNNING":
+        raise APIError(503, f"engines are {state} and the request asked not to wait",
+                       "service_unavailable_error", code="engines_not_running")  # fmt: skip
+
+
+def _submit(be: Backend, prompts: list[list[int]], sps: list[SamplingParams]) -> list[Any]:
+    try:
+        return [be.client.add_request(p, sp) for p in prompts for sp in sps]
+    except ValueError as e:
+        raise bad_request(str(e), "prompt") from None
+    except ClientStopped as e:
+        raise APIError(503, str(e), "service_unavailable_error") from None
+
+
+async def _generate(be: Backend, req: Any, request: Request, prompts: list[list[int]],
+                    chat: bool) -> Response:  # fmt: skip
+    if req.model and req.model != be.model_name:
+        raise APIError(404, f"model {req.model!r} does not exist (this server serves "
+                            f"{be.model_name!r})", param="model", code="model_not_found")  # fmt: skip
+    sps = sampling_params(req)
+    await _check_wait(be, req, request)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    if req.stream:
+        stream = _stream(be, req, prompts, sps, chat, rid)
+        return StreamingResponse(stream, media_type="text/event-stream")
+    futures = _submit(be, prompts, sps)
+    records = await _wait_or_abort(be, futures, request)
+    choices = [_choice(be, req, i, prompts[i // len(sps)], rec, chat)
+               for i, rec in enumerate(records)]  # fmt: skip
+    usage = _usage(prompts, len(sps), [len(r.generated_tokens) for r in records])
+    be.metrics.tokens(usage["prompt_tokens"], usage["completion_tokens"])
+    return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                         "created": int(time.time()), "model": be.model_name,
+                         "choices": choices, "usage": usage})  # fmt: skip
+
+
+async def _wait_or_abort(be: Backend, futures: list, request: Request) -> list:
+    """The merged records; a client that disconnects first aborts them all (uvicorn answers
+    `receive()` with http.disconnect once the connection drops: no polling)."""
+    gathered = asyncio.gather(*futures)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({gathered, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not gathered.done():
+            for f in futures:
+                if not f.done():
+                    be.client.abort(f)
+            be.metrics.disconnects.inc()
+            gathered.cancel()
+            with contextlib.suppress(BaseException):
+                await gathered
+            raise APIError(499, "client disconnected", code="client_closed_request")
+        try:
+            return [r.merge() for r in gathered.result()]
+        except RequestFailed as e:
+            raise APIError(500, str(e), "server_error") from None
+    finally:
+        watch.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _usage(prompts: list[list[int]], n: int, generated: list[int]) -> dict[str, int]:
+    prompt_tokens = sum(len(p) for p in prompts) * 1  # each prompt counted once, as OpenAI does
+    completion = sum(generated)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion}  # fmt: skip
+
+
+def _choice(be: Backend, req: Any, index: int, prompt: list[int], rec: Any, chat: bool) -> dict:
+    tokens = list(rec.generated_tokens)
+    text = rec.generated_text if rec.generated_text is not None else be.text(tokens)
+    ext = {"token_ids": tokens, "token_logprobs": list(rec.generated_log_probs),
+           "weight_versions": list(rec.generated_weight_versions), "prompt_token_ids": prompt}  # fmt: skip
+    reason = finish_reason(rec.stop_reason)
+    if chat:
+        lp = _chat_logprobs(be, tokens, rec) if req.logprobs else None
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": lp, "finish_reason": reason, **ext}  # fmt: skip
+    if req.echo:
+        text = be.text(prompt) + text
+    lp = _completion_logprobs(be, tokens, rec) if req.logprobs is not None else None
+    return {"index": index, "text": text, "logprobs": lp, "finish_reason": reason, **ext}
+
+
+def _completion_logprobs(be: Backend, tokens: list[int], rec: Any) -> dict:
+    strs = [be.text([t]) for t in tokens]
+    offsets, pos = [], 0
+    for s in strs:
+        offsets.append(pos)
+        pos += len(s)
+    tops = rec.generated_top_n_logprobs or [{}] * len(tokens)
+    return {"tokens": strs, "token_logprobs": list(rec.generated_log_probs),
+            "top_logprobs": [{be.text([k]): v for k, v in top.items()} for top in tops],
+            "text_offset": offsets}  # fmt: skip
+
+
+def _chat_logprobs(be: Backend, tokens: list[int], rec: Any) -> dict:
+    tops = rec.generated_top_n_logprobs or [{}] * len(tokens)
+
+    def entry(tid: int, lp: float) -> dict:
+        s = be.text([tid])
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(k, v) for k, v in top.items()]}
+                        for t, lp, top in zip(tokens, rec.generated_log_probs, tops, strict=True)]}  # fmt: skip
+
+
+# ---- streaming ------------------------------------------------------------------------------
+
+
+def _sse(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+async def _stream(be: Backend, req: Any, prompts: list[list[int]], sps: list[SamplingParams],
+                  chat: bool, rid: str) -> AsyncIterator[bytes]:  # fmt: skip
+    """Server-sent events: one chunk per streamed partial of any choice, each choice's last
+    chunk carrying its finish_reason, then `data: [DONE]`. Starlette cancels this generator when
+    the caller disconnects; closing each choice's client stream then aborts its request."""
+    queue: asyncio.Queue = asyncio.Queue()
+    jobs = [(p, sp) for p in prompts for sp in sps]
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    created = int(time.time())
+
+    async def pump(index: int, prompt: list[int], sp: SamplingParams) -> None:
+        try:
+            async with contextlib.aclosing(be.client.stream(prompt, sp)) as parts:
+                async for item in parts:
+                    await queue.put((index, item))
+        except Exception as e:
+            await queue.put((index, e))
+        await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, p, sp)) for i, (p, sp) in enumerate(jobs)]
+    sent_tokens = [0] * len(jobs)
+    sent_text = [""] * len(jobs)
+    streamed: list[list[int]] = [[] for _ in jobs]
+    live = len(jobs)
+    try:
+        if chat:
+            for i in range(len(jobs)):
+                yield _sse({"id": rid, "object": obj, "created": created, "model": be.model_name,
+                            "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None}]})  # fmt: skip
+        while live:
+            i, item = await queue.get()
+            if item is None:
+                live -= 1
+                continue
+            if isinstance(item, Exception):
+                err = APIError(500, f"request failed: {item}", "server_error")
+                yield _sse(err.body())
+                continue
+            if isinstance(item, Partial):
+                tokens, lps, versions, reason = (
+                    item.tokens,
+                    item.log_probs,
+                    item.weight_versions,
+                    None,
+                )
+                streamed[i].extend(tokens)
+                # a trailing U+FFFD may be an incomplete UTF-8 sequence: held until it resolves
+                stable = be.text(streamed[i]).rstrip("\ufffd")
+                delta = stable[len(sent_text[i]) :] if stable.startswith(sent_text[i]) else ""
+                sent_text[i] += delta
+            else:  # the final record: whatever the partials did not carry
+                rec = item.merge()
+                n = sent_tokens[i]
+                tokens = list(rec.generated_tokens[n:])
+                lps = list(rec.generated_log_probs[n:])
+                versions = list(rec.generated_weight_versions[n:])
+                reason = finish_reason(rec.stop_reason)
+                full = (
+                    rec.generated_text
+                    if rec.generated_text is not None
+                    else be.text(list(rec.generated_tokens))
+                )
+                delta = full[len(sent_text[i]) :] if full.startswith(sent_text[i]) else ""
+                be.metrics.tokens(len(jobs[i][0]) if i % len(sps) == 0 else 0,
+                                  len(rec.generated_tokens))  # fmt: skip
+            sent_tokens[i] += len(tokens)
+            ext = {"token_ids": tokens, "token_logprobs": lps, "weight_versions": versions}
+            if chat:
+                choice = {"index": i, "delta": {"content": delta} if delta else {},
+                          "logprobs": None, "finish_reason": reason, **ext}  # fmt: skip
+            else:
+                choice = {"index": i, "text": delta, "logprobs": None, "finish_reason": reason,
+                          **ext}  # fmt: skip
+            if reason is not None:
+                choice["prompt_token_ids"] = jobs[i][0]
+            yield _sse({"id": rid, "object": obj, "created": created, "model": be.model_name,
+                        "choices": [choice]})  # fmt: skip
+        if req.include_usage():
+            usage = _usage(prompts, len(sps), sent_tokens)
+            yield _sse({"id": rid, "object": obj, "created": created, "model": be.model_name,
+                        "choices": [], "usage": usage})  # fmt: skip
+        yield b"data: [DONE]\n\n"
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+                be.metrics.disconnects.inc()
+        await asyncio.gather(*tasks, return_exceptions=True)

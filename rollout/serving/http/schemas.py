@@ -1,0 +1,155 @@
+"""OpenAI request bodies for /v1/completions and /v1/chat/completions, and their mapping onto
+SamplingParams.
+
+Field names are OpenAI's; unknown fields are ignored (clients send many optional ones), while
+parameters this server cannot honour (penalties, logit_bias, best_of) are refused rather than
+silently dropped, since a caller relying on them would get different samples. Extension fields:
+`top_k`, `ignore_eos`, `stop_token_ids`, and `wait` (false: answer 503 instead of waiting while
+engines are paused or suspended).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollout.sampling import SamplingParams
+
+# SamplingParams field -> the OpenAI parameter a caller set it through (for error `param`).
+PARAM_NAMES = {
+    "num_tokens_to_generate": "max_tokens",
+    "stop_words": "stop",
+    "top_n_logprobs": "logprobs",
+}
+
+
+class APIError(Exception):
+    """An error answered as OpenAI-style JSON: {"error": {message, type, param, code}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status, message, type, param, code,
+        )  # fmt: skip
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}  # fmt: skip
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # extensions
+    top_k: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    wait: bool = True
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    # extension: token ids of an already-rendered conversation (token-in/token-out agents)
+    prompt_token_ids: list[int] | None = None
+
+
+DEFAULT_CHAT_MAX_TOKENS = 256
+
+
+def _refuse_unsupported(req: _Common) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name) not in (None, 0, 0.0):
+            raise bad_request(f"{name} is not supported by this server", name)
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported by this server", "logit_bias")
+    if isinstance(req, CompletionRequest):
+        if req.best_of not in (None, 1, req.n):
+            raise bad_request("best_of is not supported by this server", "best_of")
+        if req.suffix:
+            raise bad_request("suffix is not supported by this server", "suffix")
+    if not 1 <= req.n <= 128:
+        raise bad_request(f"n must be in [1, 128], got {req.n}", "n")
+
+
+def sampling_params(req: CompletionRequest | ChatRequest) -> list[SamplingParams]:
+    """One SamplingParams per choice (n of them; seeds seed+i when a seed is given). Log-probs
+    are always computed: every choice returns `token_logprobs`. ValueError from SamplingParams
+    becomes a 400 naming the OpenAI parameter."""
+    _refuse_unsupported(req)
+    if isinstance(req, ChatRequest):
+        max_tokens = req.max_completion_tokens or req.max_tokens or DEFAULT_CHAT_MAX_TOKENS
+        top_n = (req.top_logprobs or 0) if req.logprobs else 0
+    else:
+        max_tokens = req.max_tokens if req.max_tokens is not None else 16
+        top_n = req.logprobs or 0
+    kw: dict[str, Any] = {
+        "num_tokens_to_generate": max_tokens,
+        "stop_words": [req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+        "stop_token_ids": list(req.stop_token_ids or []),
+        "return_log_probs": True,
+        "top_n_logprobs": top_n,
+        "ignore_eos": req.ignore_eos,
+    }
+    for name in ("temperature", "top_p", "top_k"):
+        if getattr(req, name) is not None:
+            kw[name] = getattr(req, name)
+    try:
+        base = SamplingParams(**kw)
+        if req.seed is None:
+            return [base] * req.n
+        return [base.replace(seed=req.seed + i) for i in range(req.n)]
+    except ValueError as e:
+        message = str(e)
+        field = message.split(" ", 1)[0]
+        param = PARAM_NAMES.get(field, field)
+        if isinstance(req, ChatRequest) and param == "logprobs":
+            param = "top_logprobs"
+        raise bad_request(message.replace(field, param, 1), param) from None
+
+
+def finish_reason(stop_reason: str | None) -> str | None:
+    """OpenAI's finish_reason for an engine stop reason ("abort" passes through)."""
+    if stop_reason is None or stop_reason in ("length", "abort"):
+        return stop_reason
+    return "stop"
