@@ -8,13 +8,14 @@ One `rollout serve --model tiny --dp 1 --http-port 0` process serves both paths:
 
 Both send the same token-id prompts with the same sampling (greedy, a fixed number of generated
 tokens, EOS ignored), short generations (16 tokens by default) so the per-request cost of the HTTP
-layer is not hidden behind decoding. Throughput keeps at most `--window` requests in flight;
+layer is not hidden behind decoding. Throughput keeps at most W requests in flight, for each W in
+`--windows` (with the CPU ms per request spent by the client and by the front end's process);
 latency is one request at a time, the two paths taking turns request by request so both see the
 same machine state. `--trials` repeats everything, alternating which path goes first, and reports
 medians (the machine is shared). The HTTP cost per request is the p50 difference (ms) and the
 requests/s ratio. Writes benchmarks/results/http.json and http.png.
 
-    .venv/bin/python benchmarks/http.py [--requests 1000] [--window 64] [--trials 3]
+    .venv/bin/python benchmarks/http.py [--requests 1000] [--windows 8 64] [--trials 3]
 """
 
 from __future__ import annotations
@@ -165,35 +166,61 @@ async def latency(calls: dict[str, Call], prompts: list[list[int]]) -> dict[str,
     return out
 
 
-def _summary(rps: float, lat: list[float]) -> dict:
-    ms = np.asarray(lat) * 1e3
-    return {"rps": rps, "p50_ms": float(np.percentile(ms, 50)),
-            "p99_ms": float(np.percentile(ms, 99))}  # fmt: skip
+def _cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user + system) of this process, or of `pid` (Linux /proc; 0 elsewhere)."""
+    if pid is None:
+        return sum(os.times()[:2])
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def run(server: Server, args: argparse.Namespace) -> dict[str, list[dict]]:
+async def measured_throughput(call: Call, prompts: list[list[int]], window: int,
+                              server_pid: int) -> dict:  # fmt: skip
+    """requests/s, and CPU ms per request spent in this process (the client side) and in the
+    `rollout serve` main process (where the HTTP front end runs; nearly idle for native)."""
+    me, srv = _cpu_s(), _cpu_s(server_pid)
+    rps = await throughput(call, prompts, window)
+    n = len(prompts) + 20  # the warm-up requests are inside the CPU window
+    return {"rps": rps, "client_cpu_ms": (_cpu_s() - me) / n * 1e3,
+            "frontend_cpu_ms": (_cpu_s(server_pid) - srv) / n * 1e3}  # fmt: skip
+
+
+async def run(server: Server, args: argparse.Namespace) -> dict:
+    """{"throughput": {window: {path: [trial...]}}, "latency": {path: [trial...]}}"""
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 250, args.prompt_len).tolist() for _ in range(args.requests)]
     client = await InferenceClient(server.coordinator, auth_token=server.token).start()
-    limits = httpx.Limits(max_connections=args.window, max_keepalive_connections=args.window)
+    most = max(args.windows)
+    limits = httpx.Limits(max_connections=most, max_keepalive_connections=most)
     oai = openai.AsyncOpenAI(
-        base_url=f"{server.url}/v1", api_key=os.environ.get("ROLLOUT_HTTP_TOKEN", "none"), max_retries=0,
-        http_client=httpx.AsyncClient(limits=limits, timeout=120.0),
+        base_url=f"{server.url}/v1", api_key=os.environ.get("ROLLOUT_HTTP_TOKEN", "none"),
+        max_retries=0, http_client=httpx.AsyncClient(limits=limits, timeout=120.0),
     )  # fmt: skip
+    out: dict = {"throughput": {w: {k: [] for k in PATHS} for w in args.windows},
+                 "latency": {k: [] for k in PATHS}}  # fmt: skip
     try:
         model = (await oai.models.list()).data[0].id
         calls = {"native": native_call(client, args.max_tokens),
                  "http": http_call(oai, model, args.max_tokens)}  # fmt: skip
-        trials: dict[str, list[dict]] = {k: [] for k in PATHS}
         for t in range(args.trials):
             order = PATHS if t % 2 == 0 else PATHS[::-1]
-            rps = {k: await throughput(calls[k], prompts, args.window) for k in order}
+            for w in args.windows:
+                for k in order:
+                    r = await measured_throughput(calls[k], prompts, w, server.proc.pid)
+                    out["throughput"][w][k].append(r)
+                print(f"trial {t} window {w}",
+                      {k: round(out["throughput"][w][k][-1]["rps"]) for k in PATHS}, flush=True)  # fmt: skip
             lat = await latency(calls, prompts[: args.latency_requests])
             for k in PATHS:
-                trials[k].append(_summary(rps[k], lat[k]))
-            print(f"trial {t}", json.dumps({k: {m: round(v, 2) for m, v in trials[k][-1].items()}
-                                            for k in PATHS}), flush=True)  # fmt: skip
-        return trials
+                ms = np.asarray(lat[k]) * 1e3
+                out["latency"][k].append({"p50_ms": float(np.percentile(ms, 50)),
+                                          "p99_ms": float(np.percentile(ms, 99))})  # fmt: skip
+            print(f"trial {t} latency p50 ms",
+                  {k: round(out["latency"][k][-1]["p50_ms"], 2) for k in PATHS}, flush=True)  # fmt: skip
+        return out
     finally:
         await oai.close()
         client.stop()
@@ -202,30 +229,45 @@ async def run(server: Server, args: argparse.Namespace) -> dict[str, list[dict]]
 # ---- report -----------------------------------------------------------------------------------
 
 
-def _aggregate(trials: list[dict]) -> dict:
-    med = {m: float(np.median([t[m] for t in trials])) for m in ("rps", "p50_ms", "p99_ms")}
-    return {**med, "trials": trials}
+def _median(trials: list[dict]) -> dict:
+    """Median of the trials per metric (the machine is shared), and every trial as measured."""
+    return {**{m: float(np.median([t[m] for t in trials])) for m in trials[0]}, "trials": trials}
 
 
-def plot(results: dict, path: Path, title: str) -> None:
+def summarize(raw: dict) -> dict:
+    thr = {
+        w: {k: _median(v) for k, v in by_path.items()} for w, by_path in raw["throughput"].items()
+    }
+    lat = {k: _median(v) for k, v in raw["latency"].items()}
+    cost = {"p50_ms_added": lat["http"]["p50_ms"] - lat["native"]["p50_ms"],
+            "rps_ratio_http_vs_native": {w: r["http"]["rps"] / r["native"]["rps"]
+                                         for w, r in thr.items()}}  # fmt: skip
+    return {"throughput": thr, "latency": lat, "http_cost": cost}
+
+
+def plot(res: dict, path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     colors = {"native": "tab:blue", "http": "tab:orange"}
-    x = np.arange(len(PATHS))
-    axes[0].bar(x, [results[k]["rps"] for k in PATHS], color=[colors[k] for k in PATHS])
+    labels = {"native": "native InferenceClient", "http": "HTTP (openai AsyncOpenAI)"}
+    windows = list(res["throughput"])
+    x, w = np.arange(len(windows)), 0.38
+    for i, k in enumerate(PATHS):
+        off = x + (i - 0.5) * w
+        axes[0].bar(off, [res["throughput"][win][k]["rps"] for win in windows], w,
+                    color=colors[k], label=labels[k])  # fmt: skip
+        lat = res["latency"][k]
+        axes[1].bar(i, lat["p50_ms"], 0.6, color=colors[k], label=f"{labels[k]} p50")
+        axes[1].scatter([i], [lat["p99_ms"]], color="black", marker="_", s=600)
+    axes[0].set_xticks(x, [f"window {win}" for win in windows])
     axes[0].set_title("throughput (requests/s, higher is better)")
-    p50 = [results[k]["p50_ms"] for k in PATHS]
-    p99 = [results[k]["p99_ms"] for k in PATHS]
-    axes[1].bar(x, p50, color=[colors[k] for k in PATHS], label="p50")
-    axes[1].scatter(x, p99, color="black", marker="_", s=400, label="p99")
-    axes[1].set_title("single-request latency (ms, lower is better)")
-    axes[1].legend(fontsize=8)
-    for ax in axes:
-        ax.set_xticks(x, ["native InferenceClient", "HTTP (openai client)"])
+    axes[1].set_xticks(range(len(PATHS)), [labels[k] for k in PATHS])
+    axes[1].set_title("one request at a time: p50 (bar), p99 (tick), ms")
+    axes[0].legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -235,7 +277,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--requests", type=int, default=1000)
-    ap.add_argument("--window", type=int, default=64, help="requests in flight at most")
+    ap.add_argument("--windows", type=int, nargs="+", default=[8, 64],
+                    help="requests in flight at most (one throughput run each)")  # fmt: skip
     ap.add_argument("--latency-requests", type=int, default=200)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=16)
@@ -243,27 +286,32 @@ def main() -> None:
     args = ap.parse_args()
     server = Server(args.model)
     try:
-        trials = asyncio.run(run(server, args))
+        res = summarize(asyncio.run(run(server, args)))
     finally:
         server.close()
-    results = {k: _aggregate(v) for k, v in trials.items()}
-    native, http = results["native"], results["http"]
-    cost = {"p50_ms_added": http["p50_ms"] - native["p50_ms"],
-            "rps_ratio_http_vs_native": http["rps"] / native["rps"]}  # fmt: skip
     meta = {"cpus": os.cpu_count(), "python": platform.python_version(),
             "openai": openai.__version__, "httpx": httpx.__version__,
             "load_avg_at_end": os.getloadavg(), **vars(args)}  # fmt: skip
     RESULTS.mkdir(exist_ok=True)
-    out = {"meta": meta, "results": results, "http_cost": cost}
-    (RESULTS / "http.json").write_text(json.dumps(out, indent=2))
-    title = (f"HTTP front end vs native client, model {args.model}, {args.prompt_len}-token "
-             f"prompts / {args.max_tokens} generated, window {args.window}")  # fmt: skip
-    plot(results, RESULTS / "http.png", title)
+    (RESULTS / "http.json").write_text(json.dumps({"meta": meta, **res}, indent=2))
+    title = (f"HTTP front end vs native client on one coordinator: model {args.model}, "
+             f"{args.prompt_len}-token prompts, {args.max_tokens} generated")  # fmt: skip
+    plot(res, RESULTS / "http.png", title)
+    for win, r in res["throughput"].items():
+        for k in PATHS:
+            print(f"window {win:4d} {k:7s} {r[k]['rps']:8.1f} req/s  client cpu "
+                  f"{r[k]['client_cpu_ms']:.2f} ms/req  front end cpu {r[k]['frontend_cpu_ms']:.2f} ms/req")  # fmt: skip
     for k in PATHS:
-        r = results[k]
-        print(f"{k:7s} {r['rps']:8.1f} req/s  p50 {r['p50_ms']:7.2f} ms  p99 {r['p99_ms']:7.2f} ms")
-    print(f"HTTP layer cost per request: +{cost['p50_ms_added']:.2f} ms at p50, "
-          f"{cost['rps_ratio_http_vs_native']:.2f}x the native requests/s")  # fmt: skip
+        lat = res["latency"][k]
+        print(f"one at a time {k:7s} p50 {lat['p50_ms']:7.2f} ms  p99 {lat['p99_ms']:7.2f} ms")
+    cost = res["http_cost"]
+    ratios = ", ".join(
+        f"{v:.2f}x at window {w}" for w, v in cost["rps_ratio_http_vs_native"].items()
+    )
+    print(
+        f"HTTP layer cost per request: +{cost['p50_ms_added']:.2f} ms at p50; "
+        f"requests/s through HTTP vs native: {ratios}"
+    )
 
 
 if __name__ == "__main__":
