@@ -58,11 +58,14 @@ COVERED = {
     "rollout serve --model DIR --host 0.0.0.0": "test_serve_with_remote_engine",
     "rollout engine --coordinator tcp://HOST:PORT --rank R --model DIR --auth-token-file FILE": "test_serve_with_remote_engine",
     "python -m recipes.grpo_reverse -m hydra/launcher=submitit_slurm trainer.lr=1e-3,3e-3": "test_slurm_sweep_row",
+    "ROLLOUT_HTTP_TOKEN=secret rollout serve --model DIR --http-port 8000": "test_http_section",
+    """curl -s http://127.0.0.1:8000/v1/completions -H "Authorization: Bearer secret" -H "Content-Type: application/json" -d '{"model": "DIR", "prompt": "Hello", "max_tokens": 8, "seed": 0, "logprobs": 1}'""": "test_http_section",
 }  # fmt: skip
 # README ```python blocks (by the heading above them) -> the test that executes them.
 SNIPPETS = {
     "### As a trainer's rollout layer": "test_trainer_snippet",
     "### As an inference library": "test_inference_snippet",
+    "### OpenAI-compatible HTTP": "test_http_section",
 }
 # README commands no test runs, each with the reason; keep this short.
 NOT_RUN = {
@@ -449,6 +452,26 @@ def test_serve_synopsis():
         serve.read_until(r"^ready: 2 engine")
         token = peer_token(serve, argv, env)
         assert asyncio.run(serve_requests(address, token, engines=2)) == 24
+        assert serve.stop() == 0
+
+
+def test_http_section():
+    """The HTTP section as written: serve with --http-port, the curl line, the openai block
+    (DIR -> tiny, port 8000 -> a free one)."""
+    serve_cmd = readme_command("test_http_section", "rollout serve")
+    argv, env = argv_of(serve_cmd, DIR="tiny", **{"8000": "0"})
+    with Proc(argv, env) as serve:
+        url = serve.read_until(r"^http (http://\S+)")[1]
+        port = url.rsplit(":", 1)[1]
+        curl = shlex.split(readme_command("test_http_section", "curl").replace("8000", port)
+                           .replace('"DIR"', '"tiny"'))  # fmt: skip
+        body = json.loads(run(curl, env).stdout)
+        choice = body["choices"][0]
+        assert len(choice["token_ids"]) == 8 and choice["weight_versions"] == [0] * 8
+        assert choice["logprobs"]["token_logprobs"] == choice["token_logprobs"]
+        ns = exec_snippet("### OpenAI-compatible HTTP", {},
+                          **{"8000": port, '"DIR"': '"tiny"'})  # fmt: skip
+        assert ns["choice"].token_ids == choice["token_ids"]  # same seed, same tokens
         assert serve.stop() == 0
 
 
