@@ -353,6 +353,7 @@ def test_raise_exception_becomes_value_error_with_its_message(tmp_path):
         ("{% for m in messages %}{{ m.content }}", "does not parse"),
         ("{% if %}x{% endif %}", "does not parse"),
         ("{{ messages[0].content + 1 }}", "failed on these messages"),
+        ("{{ 1 / (messages | length - 1) }}", "failed on these messages"),
         ("{{ messages.__class__.__mro__ }}", "chat template error"),
         ("{% set ns = namespace(_x=1) %}", "not allowed"),
     ],

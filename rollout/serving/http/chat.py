@@ -150,5 +150,5 @@ def render_chat(
         )
     except jinja2.TemplateError as e:
         raise ValueError(f"chat template error: {e.message or type(e).__name__}") from e
-    except (TypeError, KeyError, IndexError, AttributeError) as e:
+    except (TypeError, KeyError, IndexError, AttributeError, ArithmeticError) as e:
         raise ValueError(f"chat template failed on these messages: {e}") from e
