@@ -251,7 +251,7 @@ def test_slow_recipe_selection():
     """`pytest -m slow tests/test_recipes.py` selects the learning run (collected, not run)."""
     argv, env = argv_of(readme_command("test_slow_recipe_selection"))
     out = run([*argv, "--collect-only", "-q", "-p", "no:cacheprovider"], env, timeout=120)
-    assert "test_default_recipe_learns" in out.stdout, out.stdout[-2000:]
+    assert "test_rl_beats_the_warm_start" in out.stdout, out.stdout[-2000:]
 
 
 # -- growing from the embedded default -------------------------------------------------------------
