@@ -267,3 +267,64 @@ async def _until(check, timeout: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("condition not reached")
         await asyncio.sleep(0.01)
+
+
+def test_weight_update_through_the_manager_lands_where_the_versions_say():
+    """HTTP in front of a RolloutManager's coordinator (dp=2): an update pushed while a request
+    streams shows in its per-token versions as one switch from 0 to 1, after the tokens already
+    streamed, and a request sent afterwards is all version 1."""
+    import socket
+
+    import uvicorn
+
+    from rollout import InferenceConfig
+    from rollout.models import ModelConfig, build_model
+    from rollout.rl.manager import RolloutManager, RolloutManagerConfig
+    from rollout.serving.http.app import build_app
+    from rollout.tokenizers import ByteTokenizer
+
+    tok = ByteTokenizer()
+    model = build_model(ModelConfig.preset("tiny", vocab_size=tok.vocab_size), seed=0)
+    manager = RolloutManager(RolloutManagerConfig(dp=2), model=model, tokenizer=tok,
+                             inference_config=InferenceConfig(streaming_interval=4))  # fmt: skip
+    cluster = manager.engine.cluster
+    app = build_app(cluster.address, auth_token=cluster.auth_token, tokenizer=tok,
+                    model_name="tiny")  # fmt: skip
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    new = {k: v + 0.02 for k, v in model.state_dict().items()}
+
+    async def go():
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        oai = openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0)
+        try:
+            stream = await oai.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=300,
+                                                  stream=True,
+                                                  extra_body={"ignore_eos": True})  # fmt: skip
+            versions, updated = [], None
+            async for chunk in stream:
+                for c in chunk.choices:
+                    versions += ext(c)["weight_versions"]
+                if updated is None and versions:
+                    seen = len(versions)
+                    updated = asyncio.create_task(asyncio.to_thread(manager.update_weights, new, 1))
+            assert await updated == 1
+            after = await oai.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=4)
+            return versions, seen, ext(after.choices[0])["weight_versions"]
+        finally:
+            await oai.close()
+            server.should_exit = True
+            await serving
+
+    try:
+        versions, seen, after = asyncio.run(go())
+    finally:
+        manager.close()
+        sock.close()
+    switch = versions.index(1) if 1 in versions else len(versions)
+    assert len(versions) == 300 and switch >= seen, (switch, seen)
+    assert versions == [0] * switch + [1] * (300 - switch) and switch < 300
+    assert after == [1] * 4
