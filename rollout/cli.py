@@ -289,7 +289,10 @@ def _serve_http(args: argparse.Namespace, address: str, token: str | None,
               file=sys.stderr, flush=True)  # fmt: skip
     is_dir = Path(args.model).is_dir()
     if args.chat_template is not None:
-        template = Path(args.chat_template).read_text(encoding="utf-8")
+        try:
+            template = Path(args.chat_template).read_text(encoding="utf-8")
+        except OSError as e:
+            raise SystemExit(f"rollout serve: --chat-template: {e}") from None
     else:
         template = load_chat_template(args.model) if is_dir else None
     app = build_app(address, auth_token=token,

@@ -194,6 +194,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
     r = httpx.post(f"{served.base}/completions", headers=served.auth, json={"max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     assert "Traceback" not in r.text
+    r = httpx.get(f"{served.base}/nope", headers=served.auth)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
     assert len(ext(oai.completions.create(model="tiny", prompt="x", max_tokens=2).choices[0])
                ["token_ids"]) == 2  # fmt: skip
 

@@ -21,6 +21,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollout.sampling import SamplingParams
 from rollout.serving.auth import tokens_match
@@ -99,6 +100,11 @@ def build_app(
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
         return _error(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return _error(APIError(e.status_code, str(e.detail), kind))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:

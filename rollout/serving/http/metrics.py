@@ -22,7 +22,7 @@ class HTTPMetrics:
         self.requests = Counter("rollout_http_requests", "HTTP requests by route and status",
                                 ["route", "status"], registry=r)  # fmt: skip
         self.latency = Histogram("rollout_http_request_latency_seconds",
-                                 "HTTP request latency (streams: until the last event)",
+                                 "HTTP request latency (streams: until the response starts)",
                                  ["route"], registry=r)  # fmt: skip
         self.prompt_tokens = Counter("rollout_http_prompt_tokens", "prompt tokens", registry=r)
         self.generated_tokens = Counter("rollout_http_generated_tokens", "generated tokens",
