@@ -194,6 +194,12 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
     r = httpx.post(f"{served.base}/completions", headers=served.auth, json={"max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     assert "Traceback" not in r.text
+    r = httpx.post(
+        f"{served.base}/completions",
+        headers=served.auth,
+        json={"prompt": [100000], "max_tokens": 2},
+    )  # the engine refuses the id
+    assert r.status_code == 400 and "out of range" in r.json()["error"]["message"]
     r = httpx.get(f"{served.base}/nope", headers=served.auth)
     assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
     assert len(ext(oai.completions.create(model="tiny", prompt="x", max_tokens=2).choices[0])

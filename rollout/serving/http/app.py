@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from rollout.engine.intake import RequestError
 from rollout.sampling import SamplingParams
 from rollout.serving.auth import tokens_match
 from rollout.serving.client import ClientStopped, InferenceClient, Partial, RequestFailed
@@ -41,6 +42,7 @@ from rollout.tokenizers import detokenize_with, tokenize_with
 log = logging.getLogger(__name__)
 
 NO_WAIT_HEADER = "x-rollout-no-wait"
+_CALLER_ERRORS = {RequestError.__name__, ValueError.__name__}  # engine refusals of the request
 
 
 class Backend:
@@ -210,9 +212,14 @@ async def _check_wait(be: Backend, req: Any, request: Request) -> None:
 
 
 def _submit(be: Backend, prompts: list[list[int]], sps: list[SamplingParams]) -> list[Any]:
+    futures: list[Any] = []
     try:
-        return [be.client.add_request(p, sp) for p in prompts for sp in sps]
+        for p in prompts:
+            futures += [be.client.add_request(p, sp) for sp in sps]
+        return futures
     except ValueError as e:
+        for f in futures:  # all choices or none
+            be.client.abort(f)
         raise bad_request(str(e), "prompt") from None
     except ClientStopped as e:
         raise APIError(503, str(e), "service_unavailable_error") from None
@@ -257,11 +264,29 @@ async def _wait_or_abort(be: Backend, futures: list, request: Request) -> list:
                 await gathered
             raise APIError(499, "client disconnected", code="client_closed_request")
         try:
-            return [r.merge() for r in gathered.result()]
+            records = [r.merge() for r in gathered.result()]
         except RequestFailed as e:
             raise APIError(500, str(e), "server_error") from None
+        for rec in records:
+            if (err := _failure(rec)) is not None:
+                raise err
+        return records
     finally:
         watch.cancel()
+
+
+def _failure(rec: Any) -> APIError | None:
+    """The error a failed record answers with: the engine's ValueError (a prompt it refused,
+    e.g. a token id past the vocabulary) is the caller's 400, anything else a 500."""
+    if not rec.failed():
+        return None
+    errors = [
+        e.payload for e in rec.events if isinstance(e.payload, dict) and "message" in e.payload
+    ]
+    last = errors[-1] if errors else {"type": "RuntimeError", "message": "request failed"}
+    if last.get("type") in _CALLER_ERRORS:
+        return bad_request(last["message"], "prompt")
+    return APIError(500, f"request failed: {last['message']}", "server_error")
 
 
 async def _disconnected(request: Request) -> None:
@@ -270,7 +295,7 @@ async def _disconnected(request: Request) -> None:
 
 
 def _usage(prompts: list[list[int]], n: int, generated: list[int]) -> dict[str, int]:
-    prompt_tokens = sum(len(p) for p in prompts) * 1  # each prompt counted once, as OpenAI does
+    prompt_tokens = sum(len(p) for p in prompts)  # once per prompt, whatever n, as OpenAI counts
     completion = sum(generated)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion}  # fmt: skip
@@ -375,6 +400,9 @@ async def _stream(be: Backend, req: Any, prompts: list[list[int]], sps: list[Sam
                 sent_text[i] += delta
             else:  # the final record: whatever the partials did not carry
                 rec = item.merge()
+                if (err := _failure(rec)) is not None:
+                    yield _sse(err.body())
+                    continue
                 n = sent_tokens[i]
                 tokens = list(rec.generated_tokens[n:])
                 lps = list(rec.generated_log_probs[n:])
