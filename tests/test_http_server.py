@@ -336,3 +336,46 @@ def test_weight_update_through_the_manager_lands_where_the_versions_say():
     assert len(versions) == 300 and switch >= seen, (switch, seen)
     assert versions == [0] * switch + [1] * (300 - switch) and switch < 300
     assert after == [1] * 4
+
+
+# -- in process: the mapping and the error paths no server run reaches ----------------------------
+
+
+def test_sampling_params_mapping_and_refusals():
+    from rollout.serving.http.schemas import APIError, ChatRequest, CompletionRequest
+    from rollout.serving.http.schemas import sampling_params as to_sp
+
+    sps = to_sp(CompletionRequest(prompt="x", max_tokens=5, n=3, seed=9, stop="\n", logprobs=2))
+    assert [sp.seed for sp in sps] == [9, 10, 11]
+    assert sps[0].num_tokens_to_generate == 5 and sps[0].stop_words == ["\n"]
+    assert sps[0].return_log_probs and sps[0].top_n_logprobs == 2
+    chat = to_sp(ChatRequest(messages=[{"role": "user", "content": "x"}],
+                             max_completion_tokens=7, logprobs=True, top_logprobs=3))  # fmt: skip
+    assert chat[0].num_tokens_to_generate == 7 and chat[0].top_n_logprobs == 3
+    for bad, param in [({"top_p": 0}, "top_p"), ({"presence_penalty": 1}, "presence_penalty"),
+                       ({"n": 0}, "n"), ({"logprobs": 5000}, "logprobs")]:  # fmt: skip
+        with pytest.raises(APIError) as e:
+            to_sp(CompletionRequest(prompt="x", **bad))
+        assert e.value.status == 400 and e.value.param == param, e.value.body()
+
+
+def test_unexpected_exceptions_answer_500_json_and_the_app_keeps_serving():
+    from rollout.serving.http.app import build_app
+    from rollout.tokenizers import ByteTokenizer
+
+    class Broken:
+        def add_request(self, *args, **kw):
+            raise RuntimeError("boom in the client")
+
+    app = build_app("tcp://127.0.0.1:9", tokenizer=ByteTokenizer(), model_name="m")
+    app.state.backend.client = Broken()  # no lifespan here: the client never starts
+
+    async def go():
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            r = await c.post("/v1/completions", json={"prompt": "x"})
+            assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+            assert "Traceback" not in r.text
+            assert (await c.get("/health")).status_code == 200
+
+    asyncio.run(go())
