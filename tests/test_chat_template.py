@@ -366,3 +366,15 @@ def test_broken_template_is_value_error(template, problem):
 def test_empty_conversation_is_value_error():
     with pytest.raises(ValueError, match="empty conversation"):
         render_chat(CHATML, [])
+
+
+def test_special_tokens_of_includes_model_specific_tokens_like_transformers(tmp_path):
+    """Any `*_token` string (here image_token) reaches templates; flags such as add_bos_token
+    and null tokens do not."""
+    _checkpoint(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config.update(image_token="<image>", add_bos_token=True, sep_token=None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tokens = special_tokens_of(tmp_path)
+    assert tokens["image_token"] == "<image>" and "add_bos_token" not in tokens
+    assert tokens == _hf(tmp_path).special_tokens_map
