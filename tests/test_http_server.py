@@ -202,8 +202,10 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
     assert r.status_code == 400 and "out of range" in r.json()["error"]["message"]
     r = httpx.get(f"{served.base}/nope", headers=served.auth)
     assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
-    assert len(ext(oai.completions.create(model="tiny", prompt="x", max_tokens=2).choices[0])
-               ["token_ids"]) == 2  # fmt: skip
+    still = oai.completions.create(
+        model="tiny", prompt="x", max_tokens=2, extra_body={"ignore_eos": True}
+    )  # random weights may stop early
+    assert len(ext(still.choices[0])["token_ids"]) == 2  # fmt: skip
 
 
 def test_bearer_auth(served):

@@ -15,39 +15,34 @@ same machine state. `--trials` repeats everything, alternating which path goes f
 medians (the machine is shared). The HTTP cost per request is the p50 difference (ms) and the
 requests/s ratio. Writes benchmarks/results/http.json and http.png.
 
-    .venv/bin/python benchmarks/http.py [--requests 1000] [--windows 8 64] [--trials 3]
+    .venv/bin/python benchmarks/http_frontend.py [--requests 1000] [--windows 8 64] [--trials 3]
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import subprocess
 import sys
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-# This file's folder comes first on sys.path when it runs as a script, where this file would
-# shadow the standard library's `http` package that httpx and openai import.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+import httpx
+import numpy as np
+import openai
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import platform  # noqa: E402
-import re  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
-from collections import deque  # noqa: E402
-from collections.abc import Awaitable, Callable  # noqa: E402
+from rollout.sampling import SamplingParams
+from rollout.serving.client import InferenceClient
 
-import httpx  # noqa: E402
-import numpy as np  # noqa: E402
-import openai  # noqa: E402
-
-from rollout.sampling import SamplingParams  # noqa: E402
-from rollout.serving.client import InferenceClient  # noqa: E402
-
-RESULTS = _HERE / "results"
-ROOT = _HERE.parent
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+ROOT = HERE.parent
 PATHS = ("native", "http")
 Call = Callable[[list[int]], Awaitable[None]]
 
