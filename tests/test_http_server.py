@@ -27,6 +27,7 @@ from rollout.serving.http.chat import render_chat
 pytestmark = pytest.mark.timeout(120)
 
 CHATML = (
+    "{% if tools %}<tools>{{ tools | tojson }}</tools>\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -161,6 +162,11 @@ def test_chat_uses_the_template_and_streams(served):
     assert streamed == ext(c)["token_ids"]
     text = "".join(c.delta.content or "" for ch in chunks for c in ch.choices)
     assert text == r.choices[0].message.content
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    r = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=2, tools=tools)
+    with_tools = render_chat(CHATML, messages, tools=tools)
+    assert "<tools>" in with_tools
+    assert ext(r.choices[0])["prompt_token_ids"] == list(with_tools.encode())
 
 
 def test_models_health_and_metrics(served):

@@ -185,7 +185,7 @@ def _chat_prompt(be: Backend, req: ChatRequest) -> list[int]:
                           "or start the server with --chat-template", "messages")  # fmt: skip
     try:
         text = render_chat(be.chat_template, req.messages, req.add_generation_prompt,
-                           **be.special_tokens)  # fmt: skip
+                           tools=req.tools, **be.special_tokens)  # fmt: skip
     except ValueError as e:
         raise bad_request(str(e), "messages") from None
     return be.tokenize(text, bos=False)  # the template writes the BOS itself, as in HF

@@ -90,6 +90,7 @@ class ChatRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None  # rendered by the template (tool-calling agents)
     # extension: token ids of an already-rendered conversation (token-in/token-out agents)
     prompt_token_ids: list[int] | None = None
 
