@@ -312,9 +312,7 @@ def _serve_http(args: argparse.Namespace, address: str, token: str | None,
         raise SystemExit(
             f"rollout serve: cannot bind HTTP {args.http_host}:{args.http_port}: {e}"
         ) from None
-    sock.listen(
-        2048
-    )  # callers queue from here on, before uvicorn accepts: the URL works once printed
+    sock.listen(2048)  # callers queue from here, before uvicorn accepts: the URL works once printed
     host = f"[{args.http_host}]" if family == socket.AF_INET6 else args.http_host
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
 
