@@ -7,7 +7,9 @@
   starve the trainer.
 
 The owner's state (groups, requests) is guarded by `cv`, the driver's condition variable, which
-the owner notifies when a result a waiter may want has arrived.
+the owner notifies when a result a waiter may want has arrived. Work that arrives from another
+thread (the next turn of an episode whose environment answered) is queued with `submit`; while
+such work may still come (`elsewhere()`), an idle engine is waited on, not an error.
 """
 
 from __future__ import annotations
@@ -34,10 +36,16 @@ class EngineDriver:
     """
 
     def __init__(
-        self, engine: EngineProtocol, step: Callable[[], None], timeout_s: float, background: bool
+        self,
+        engine: EngineProtocol,
+        step: Callable[[], None],
+        timeout_s: float,
+        background: bool,
+        elsewhere: Callable[[], bool] = lambda: False,
     ) -> None:
         self.engine = engine
         self._step = step
+        self._elsewhere = elsewhere  # work in progress off the engine that will submit more
         self.timeout_s = timeout_s
         self.cv = threading.Condition()
         self.suspended = False
@@ -83,6 +91,15 @@ class EngineDriver:
         self._commands.append((fn, concurrent.futures.Future()))
         self.cv.notify_all()
 
+    def submit(self, fn: Callable[[], Any]) -> None:
+        """Queue engine work from any thread; it runs before the next step (colocated: the next
+        time the trainer's thread drives the engine)."""
+        with self.cv:
+            if self.closed:
+                return
+            self.call_later(fn)
+        self.engine.wake()
+
     def wait(self, done: Callable[[], bool]) -> None:
         """Block until `done()` (called under `cv`): drive the engine inline, or wait for the
         async thread."""
@@ -114,10 +131,21 @@ class EngineDriver:
             if self.suspended:
                 raise RuntimeError("RolloutManager is suspended: call resume() before generating")
             if not self.engine.has_unfinished_requests():
-                raise RuntimeError("engine idle but the requested samples never finished")
-            self._step()
+                self._wait_elsewhere(done, deadline)
+            else:
+                self._step()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no result within {self.timeout_s}s")
+
+    def _wait_elsewhere(self, done: Callable[[], bool], deadline: float) -> None:
+        """The engine is idle: wait for work from another thread (an environment's answer)."""
+        with self.cv:
+            if not self._elsewhere():
+                raise RuntimeError("engine idle but the requested samples never finished")
+            self.cv.wait_for(
+                lambda: self._commands or done() or not self._elsewhere(),
+                timeout=max(0.0, deadline - time.monotonic()),
+            )
 
     def _run_commands(self) -> None:
         while True:

@@ -26,10 +26,22 @@ re-sampled (`"regenerate"`). Both are counted in `stats()`.
 A request that fails (refused by the engine, lost with its engine, or caught in an engine step
 that raised) becomes a failed sample (`Sample.failed`, `Sample.error`), counted under
 `rollout/samples_failed` and logged; generation goes on.
+
+Multi-turn: `collect(..., env=factory)` and `generate(..., env=factory)` run one episode per
+sample (`rollout.rl.episodes`): each source item is an example the environment starts from, and
+each model turn is a request like any other, so episodes share the groups, the partial rollouts
+across updates, the staleness bound and the failure handling above. A turn whose environment
+answered while the engine was suspended waits for `resume()`.
+
+Dynamic sampling (DAPO, `dynamic_sampling=True`): a group whose members all earned the same
+reward carries no GRPO signal; it is dropped and another prompt drawn in its place, at most
+`max_extra_groups` per batch. Past that bound the batch is filled with such groups (counted), so
+a batch always has its size.
 """
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import dataclasses
@@ -51,8 +63,11 @@ from rollout.metrics import staleness_summary
 from rollout.protocol import SUSPEND_MODES
 from rollout.request import DynamicInferenceRequest
 from rollout.rl.driver import EngineDriver
+from rollout.rl.environment import EnvFactory
+from rollout.rl.episodes import EpisodeLimits, EpisodeRecord, EpisodeRunner
+from rollout.rl.groups import Group, Result, hand_out, stale_indices, zero_variance
 from rollout.rl.samples import Sample, request_error
-from rollout.rl.staleness import Group, VersionHistory, hand_out, stale_indices
+from rollout.rl.staleness import VersionHistory
 from rollout.sampling import SamplingParams
 from rollout.serving.cluster import EngineCluster
 from rollout.serving.cluster_engine import ClusterEngine
@@ -84,6 +99,11 @@ class RolloutManagerConfig:
     initial_version: int = 0
     collect_timeout_s: float = 3600.0
     dp: int = 1  # engines: 1 = one in-process engine, > 1 = engine processes (EngineCluster)
+    max_turns: int = 8  # episodes: model turns
+    max_episode_tokens: int | None = None  # episodes: all tokens; None = the engine's limit
+    env_timeout_s: float = 60.0  # episodes: one Environment.reset/step call
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
+    max_extra_groups: int | None = None  # dynamic sampling: extra groups per batch; None = batch
 
     def __post_init__(self) -> None:
         if isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 1:
@@ -106,6 +126,14 @@ class RolloutManagerConfig:
             raise ValueError(f"max_inflight_groups must be >= 1, got {self.max_inflight_groups!r}")
         if self.collect_timeout_s <= 0:
             raise ValueError(f"collect_timeout_s must be > 0, got {self.collect_timeout_s!r}")
+        for name in ("max_turns", "max_episode_tokens", "max_extra_groups"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "max_extra_groups" else 1)):  # fmt: skip
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.max_turns is None:
+            raise ValueError("max_turns must be a positive int, got None")
+        if self.env_timeout_s <= 0:
+            raise ValueError(f"env_timeout_s must be > 0, got {self.env_timeout_s!r}")
 
 
 class RolloutManager:
@@ -137,8 +165,12 @@ class RolloutManager:
             )
         self.engine: EngineProtocol = engine
         self.version = int(engine.weight_version)
+        self._max_sequence_length = _max_sequence_length(inference_config)
         self._groups: dict[int, Group] = {}
-        self._requests: dict[int, tuple[int, int]] = {}  # request id -> (group id, index)
+        self._requests: dict[int, _Slot] = {}  # request id -> where its record goes
+        self._deferred: list[Callable[[], None]] = []  # turns that arrived while suspended
+        self._runner: EpisodeRunner | None = None  # started with the first episode
+        self._episodes_running = 0
         self._ready: deque[int] = deque()
         self._next_rid = 0
         self._next_gid = 0
@@ -156,12 +188,22 @@ class RolloutManager:
                 "engine_steps",
                 "suspends",
                 "kv_bytes_freed_total",
+                "episodes_out",
+                "episodes_failed",
+                "turns",
+                "groups_dropped_zero_variance",
+                "groups_oversampled",
+                "groups_filled_zero_variance",
             ),
             0,
         )
         self._last: dict[str, float] = {}
         self._driver = EngineDriver(  # async: starts the thread that owns the engine
-            engine, self._step, self.config.collect_timeout_s, self.config.mode == "async"
+            engine,
+            self._step,
+            self.config.collect_timeout_s,
+            self.config.mode == "async",
+            elsewhere=lambda: self._episodes_running > 0,
         )
         self._cv = self._driver.cv  # guards groups, requests and ready (shared with the driver)
         ref = weakref.ref(self)
@@ -183,14 +225,20 @@ class RolloutManager:
     # ------------------------------------------------------------------ public API
 
     def generate(
-        self, prompts: Iterable[Any], n: int = 1, sampling_params: SamplingParams | None = None
+        self,
+        prompts: Iterable[Any],
+        n: int = 1,
+        sampling_params: SamplingParams | None = None,
+        *,
+        env: EnvFactory | None = None,
     ) -> list[Sample]:
-        """Generate n samples per prompt; returns them prompt-major, in input order."""
+        """Generate n samples per prompt (episodes per example with `env`); returns them
+        prompt-major, in input order."""
         sp = self._sampling_params(sampling_params)
         _check_n(n)
         items = list(prompts)
         gids = self._driver.call(
-            lambda: [self._submit_group(p, n, sp, for_collect=False) for p in items]
+            lambda: [self._submit_group(p, n, sp, for_collect=False, env=env) for p in items]
         )
         self._driver.wait(lambda: all(self._groups[g].complete for g in gids))
         with self._cv:
@@ -204,6 +252,8 @@ class RolloutManager:
         n: int = 1,
         reward_fn: RewardFn | None = None,
         sampling_params: SamplingParams | None = None,
+        *,
+        env: EnvFactory | None = None,
     ) -> list[Sample]:
         """Return `batch_size_groups` complete groups of n samples (group-contiguous, flat).
 
@@ -212,6 +262,9 @@ class RolloutManager:
         the cap; pass the same iterator to every call to continue where the last one stopped. Groups
         still in flight from earlier calls come first. Fewer groups come back only when the
         source ends; an empty list means nothing is left.
+
+        With `env` (an `EnvFactory`), each item is an episode's example and each sample one
+        episode; its reward is the environment's unless `reward_fn` is given.
         """
         if batch_size_groups < 1:
             raise ValueError(f"batch_size_groups must be >= 1, got {batch_size_groups!r}")
@@ -219,16 +272,19 @@ class RolloutManager:
         sp = self._sampling_params(sampling_params)
         if self._driver.closed:
             raise RuntimeError("RolloutManager is closed")
+        if self.config.dynamic_sampling and reward_fn is None and env is None:
+            raise ValueError("dynamic_sampling needs rewards: pass reward_fn (or env)")
         source, ended = iter(prompt_source), False
         cap = self._inflight_cap(batch_size_groups)
         batch: list[Sample] = []
+        filter_ = _DynamicSampling(self.config, batch_size_groups, self._counters)
         groups_needed = batch_size_groups
         while groups_needed:
             want = min(groups_needed, cap)  # never more than may be in flight
             with self._cv:
                 short = len(self._ready) < want
             if short:  # a batch already waiting takes no new prompts
-                ended = ended or self._top_up(source, n, sp, cap)
+                ended = ended or self._top_up(source, n, sp, cap, env)
             self._driver.wait(lambda k=want, e=ended: len(self._ready) >= k or self._exhausted(e))
             with self._cv:
                 take = [
@@ -237,13 +293,16 @@ class RolloutManager:
                 ]
                 for g in take:
                     fresh = self._filter_stale(g)
-                    if fresh is not None:
+                    if fresh is None:
+                        continue
+                    _assign_rewards(fresh, reward_fn)
+                    if filter_.keep(fresh):
                         batch.extend(fresh)
                         groups_needed -= 1
                 if not take and self._exhausted(ended):
                     break
         if self.config.mode == "async":  # the engine generates while the trainer trains
-            self._top_up(source, n, sp, cap)
+            self._top_up(source, n, sp, cap, env)
         self._last.update(  # the whole batch, not just its last group
             staleness_summary(
                 [s.policy_staleness for s in batch],
@@ -251,9 +310,7 @@ class RolloutManager:
                 histograms=False,
             )
         )
-        if reward_fn is not None:
-            for s in batch:
-                s.reward = reward_fn(s)
+        self._last.update(filter_.metrics())
         return batch
 
     def suspend(self) -> int:
@@ -304,6 +361,8 @@ class RolloutManager:
         if self._driver.closed:
             return
         self._driver.stop()
+        if self._runner is not None:
+            self._runner.close()
         for rid in list(self._requests):
             with contextlib.suppress(Exception):  # best effort at shutdown
                 self.engine.abort(rid)
@@ -348,6 +407,9 @@ class RolloutManager:
         t0 = time.perf_counter()
         self.engine.resume()
         self._driver.suspended = False
+        deferred, self._deferred = self._deferred, []
+        for submit in deferred:  # episode turns whose environment answered meanwhile
+            submit()
         self._last["engine/resume_s"] = time.perf_counter() - t0
 
     def _do_update(self, sd: dict[str, torch.Tensor], version: int) -> int:
@@ -381,7 +443,9 @@ class RolloutManager:
         cap = self.config.max_inflight_groups
         return int(cap) if cap is not None else 2 * batch_size_groups
 
-    def _top_up(self, source: Iterator[Any], n: int, sp: SamplingParams, cap: int) -> bool:
+    def _top_up(
+        self, source: Iterator[Any], n: int, sp: SamplingParams, cap: int, env: EnvFactory | None
+    ) -> bool:
         """Submit groups from `source` until in-flight + ready groups reach `cap`; True when
         `source` ran out. Nothing is pulled while suspended (the prompts would be lost)."""
         room = cap - self._num_collect_groups()
@@ -389,14 +453,23 @@ class RolloutManager:
             return False
         items = list(itertools.islice(source, room))
         if items:
-            self._driver.call(lambda: [self._submit_group(it, n, sp) for it in items])
+            self._driver.call(lambda: [self._submit_group(it, n, sp, env=env) for it in items])
         return len(items) < room
 
-    def _submit_group(self, item: Any, n: int, sp: SamplingParams, for_collect: bool = True) -> int:
+    def _submit_group(
+        self,
+        item: Any,
+        n: int,
+        sp: SamplingParams,
+        for_collect: bool = True,
+        env: EnvFactory | None = None,
+    ) -> int:
         if self._driver.suspended:
             raise RuntimeError("RolloutManager is suspended: call resume() before generating")
         prompt, meta = item, None
-        if isinstance(item, Mapping):  # {"prompt": ..., "sampling_params": ..., **metadata}
+        if env is not None:  # the item is the episode's example, whatever its shape
+            meta = item
+        elif isinstance(item, Mapping):  # {"prompt": ..., "sampling_params": ..., **metadata}
             prompt = item.get("prompt")
             meta = {k: v for k, v in item.items() if k not in ("prompt", "sampling_params")}
             if item.get("sampling_params") is not None:
@@ -405,7 +478,7 @@ class RolloutManager:
             raise ValueError(f"prompt source item has no prompt: {item!r:.200}")
         gid = self._next_gid
         self._next_gid += 1
-        g = Group(gid, prompt, meta, sp, [None] * n, for_collect)
+        g = Group(gid, prompt, meta, sp, [None] * n, for_collect, env)
         with self._cv:
             self._groups[gid] = g
         for i in range(n):
@@ -413,18 +486,83 @@ class RolloutManager:
         return gid
 
     def _submit_sample(self, g: Group, index: int) -> None:
+        if g.env is not None:
+            self._start_episode(g, index)
+            return
         sp = g.sampling_params
         if sp.seed is not None:  # distinct, reproducible streams per sample
-            sp = sp.replace(
-                seed=(sp.seed * 1_000_003 + g.gid * 1009 + index * 7919 + self._next_rid) % 2**31
-            )
+            salt = g.gid * 1009 + index * 7919 + self._next_rid
+            sp = sp.replace(seed=(sp.seed * 1_000_003 + salt) % 2**31)
+        self._add_request(g.prompt, sp, lambda req: self._file(g.gid, index, req))
+
+    def _add_request(
+        self,
+        prompt: Any,
+        sp: SamplingParams,
+        deliver: Callable[[DynamicInferenceRequest], None],
+        routing_key: str | None = None,
+    ) -> int:
+        """Put one request on the engine; its merged record goes to `deliver` (a refused one as
+        a FAILED record)."""
         rid = self._next_rid
         self._next_rid += 1
-        self._requests[rid] = (g.gid, index)
+        self._requests[rid] = _Slot(prompt, deliver)
         try:
-            self.engine.add_request(rid, g.prompt, sp)
+            if routing_key is None:
+                self.engine.add_request(rid, prompt, sp)
+            else:
+                self.engine.add_request(rid, prompt, sp, routing_key=routing_key)
         except Exception as e:  # refused (bad prompt or parameters): this sample fails alone
             self._on_request(self._failed_request(rid, e))
+        return rid
+
+    # ------------------------------------------------------------------ episodes
+
+    def _start_episode(self, g: Group, index: int) -> None:
+        if self._runner is None:
+            max_tokens = self.config.max_episode_tokens or self._max_sequence_length
+            limits = EpisodeLimits(self.config.max_turns, max_tokens, self.config.env_timeout_s)
+            self._runner = EpisodeRunner(self._submit_turn, limits)
+        with self._cv:
+            self._episodes_running += 1
+        key = f"episode-{g.gid}-{index}-{self._next_rid}"
+        self._runner.start(
+            key, g.prompt, g.env, g.sampling_params, lambda ep: self._episode_done(g.gid, index, ep)
+        )
+
+    def _submit_turn(
+        self, prompt: list[int], sp: SamplingParams, key: str
+    ) -> asyncio.Future[DynamicInferenceRequest]:
+        """On the environment loop: queue one model turn; resolves to its merged record."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[DynamicInferenceRequest] = loop.create_future()
+
+        def deliver(req: DynamicInferenceRequest) -> None:
+            loop.call_soon_threadsafe(_resolve, fut, req)
+
+        def submit() -> None:
+            if self._driver.suspended:  # runs on resume: nothing is put on a suspended engine
+                self._deferred.append(submit)
+                return
+            self._counters["turns"] += 1
+            turn_sp = sp
+            if sp.seed is not None:  # each turn its own reproducible stream
+                turn_sp = sp.replace(seed=(sp.seed * 1_000_003 + self._next_rid * 7919) % 2**31)
+            self._add_request(prompt, turn_sp, deliver, routing_key=key)
+
+        self._driver.submit(submit)
+        return fut
+
+    def _episode_done(self, gid: int, index: int, ep: EpisodeRecord) -> None:
+        """On the environment loop: an episode ended (done, at a limit, or failed)."""
+        with self._cv:
+            self._episodes_running -= 1
+            self._counters["episodes_out"] += 1
+            if ep.failed():
+                self._counters["episodes_failed"] += 1
+            self._file(gid, index, ep)
+
+    # ------------------------------------------------------------------ records
 
     def _step(self) -> None:
         try:
@@ -450,9 +588,8 @@ class RolloutManager:
             self._on_request(self._failed_request(rid, error))
 
     def _failed_request(self, rid: int, error: Exception) -> DynamicInferenceRequest:
-        """A FAILED record for request `rid` (its prompt kept when the group is still here)."""
-        g = self._groups.get(self._requests[rid][0])
-        prompt = None if g is None else g.prompt
+        """A FAILED record for request `rid` (its prompt kept when it is a prompt)."""
+        prompt = self._requests[rid].prompt
         text = prompt if isinstance(prompt, str) else None
         tokens = None
         with contextlib.suppress(ValueError, TypeError):  # a prompt the engine could not take
@@ -464,25 +601,27 @@ class RolloutManager:
         return req
 
     def _on_request(self, req: DynamicInferenceRequest) -> None:
-        """A merged request came back (finished or failed): file it in its group."""
-        where = self._requests.pop(req.request_id, None)
-        if where is None:  # failed here already (a step error), or aborted at close
+        """A merged request came back (finished or failed): hand it to whoever waits for it."""
+        slot = self._requests.pop(req.request_id, None)
+        if slot is None:  # failed here already (a step error), or aborted at close
             self._counters["late_records"] += 1
             return
-        gid, index = where
         self._counters["tokens_generated"] += len(req.generated_tokens)
-        if req.failed():
+        slot.deliver(req)
+
+    def _file(self, gid: int, index: int, result: Result) -> None:
+        """A member of group `gid` finished (a record or an episode): file it."""
+        if result.failed():
             self._counters["samples_failed"] += 1
             n = self._counters["samples_failed"]
             if n <= 10 or n % 100 == 0:  # bounded log volume under a storm of failures
-                log.warning(
-                    "request %d failed (%d so far): %s", req.request_id, n, request_error(req)
-                )
-        g = self._groups.get(gid)
-        if g is None:  # group dropped meanwhile
-            return
+                why = result.error if isinstance(result, EpisodeRecord) else request_error(result)
+                log.warning("sample %d of group %d failed (%d so far): %s", index, gid, n, why)
         with self._cv:
-            g.records[index] = req
+            g = self._groups.get(gid)
+            if g is None:  # group dropped meanwhile
+                return
+            g.records[index] = result
             if g.complete and g.for_collect:
                 self._ready.append(gid)
             self._cv.notify_all()
@@ -492,8 +631,6 @@ class RolloutManager:
         samples = hand_out(g, self._history)
         stale = stale_indices(samples, self.config.max_staleness)
         if not stale:
-            self._counters["groups_out"] += 1
-            self._counters["samples_out"] += len(samples)
             return samples
         if self.config.stale_policy == "drop":
             self._counters["groups_dropped_stale"] += 1
@@ -514,6 +651,70 @@ class RolloutManager:
     def _num_collect_groups(self) -> int:
         with self._cv:
             return sum(1 for g in self._groups.values() if g.for_collect)
+
+
+@dataclasses.dataclass
+class _Slot:
+    """An engine request the manager waits for: its prompt (for a FAILED record) and who gets
+    its merged record (a group member, or an episode's turn)."""
+
+    prompt: Any
+    deliver: Callable[[DynamicInferenceRequest], None]
+
+
+def _resolve(fut: asyncio.Future, req: DynamicInferenceRequest) -> None:
+    if not fut.done():
+        fut.set_result(req)
+
+
+def _assign_rewards(samples: list[Sample], reward_fn: RewardFn | None) -> None:
+    if reward_fn is not None:
+        for s in samples:
+            s.reward = reward_fn(s)
+
+
+class _DynamicSampling:
+    """One batch's dynamic-sampling decisions (DAPO): drop zero-variance groups while the
+    extra-group budget lasts, then keep them (the batch keeps its size)."""
+
+    def __init__(self, config: RolloutManagerConfig, batch_groups: int, counters: dict) -> None:
+        self.on = config.dynamic_sampling
+        extra = config.max_extra_groups
+        self.budget = batch_groups if extra is None else extra
+        self.counters = counters
+        self.kept = self.dropped = self.filled = 0
+
+    def keep(self, samples: list[Sample]) -> bool:
+        flat = zero_variance(samples)
+        if self.on and flat and self.dropped < self.budget:
+            self.dropped += 1
+            self.counters["groups_dropped_zero_variance"] += 1
+            self.counters["groups_oversampled"] += 1
+            return False
+        if self.on and flat:
+            self.filled += 1
+            self.counters["groups_filled_zero_variance"] += 1
+        self.kept += 1
+        self.counters["groups_out"] += 1
+        self.counters["samples_out"] += len(samples)
+        return True
+
+    def metrics(self) -> dict[str, float]:
+        if not self.on:
+            return {}
+        return {
+            "rollout/dynamic_sampling/kept": self.kept - self.filled,
+            "rollout/dynamic_sampling/dropped": self.dropped,
+            "rollout/dynamic_sampling/oversampled": self.dropped,
+            "rollout/dynamic_sampling/filled": self.filled,
+        }
+
+
+def _max_sequence_length(icfg: InferenceConfig | Mapping[str, Any] | None) -> int:
+    """The engines' longest sequence: the default bound on an episode's tokens."""
+    if isinstance(icfg, Mapping):
+        return int(icfg.get("max_sequence_length", InferenceConfig.max_sequence_length))
+    return (icfg or InferenceConfig()).max_sequence_length
 
 
 def _check_n(n: int) -> None:

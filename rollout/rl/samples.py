@@ -1,9 +1,14 @@
-"""`Sample`: one finished completion as a trainer sees it, and `collate` to batch them.
+"""`Sample`: one finished completion or episode as a trainer sees it, and `collate` to batch them.
 
-A sample is cut from a merged request record when it is handed to the trainer. Staleness is
-counted in weight updates and is relative to the manager's weights at that moment; it is
-computed by `rollout.rl.staleness.completion_staleness` (definitions: docs/internals.md,
-"Staleness").
+A sample is cut from a merged request record (or a multi-turn episode's records,
+`rollout.rl.episodes`) when it is handed to the trainer. Staleness is counted in weight updates
+and is relative to the manager's weights at that moment; it is computed by
+`rollout.rl.staleness.completion_staleness` (definitions: docs/internals.md, "Staleness").
+
+An episode's completion interleaves model turns and observations: `loss_mask` is 1 on the tokens
+the policy sampled and 0 on the observation tokens, whose log-prob, staleness and versions are
+placeholders (0, 0, NO_VERSION). `collate` folds the mask into `completion_mask`, so the losses
+train model tokens only, exactly as for single-turn samples.
 """
 
 from __future__ import annotations
@@ -18,6 +23,30 @@ from rollout.request import DynamicInferenceEventType, DynamicInferenceRequest
 
 if TYPE_CHECKING:
     from rollout.rl.staleness import CompletionStaleness
+
+
+NO_VERSION = -1  # the version of an observation token: no policy sampled it
+
+
+@dataclasses.dataclass
+class Turn:
+    """One model turn of an episode, located in the episode's completion tokens."""
+
+    start: int  # offset of the turn's first token in `Sample.completion_tokens`
+    num_tokens: int  # tokens the model generated in this turn
+    num_observation_tokens: int  # tokens the environment appended after it
+    context_tokens: int  # episode tokens before the turn (its prompt)
+    cached_tokens: int  # of those, KV reused from the prefix cache instead of computed
+    reward: float
+    finish_reason: str | None  # why the model's turn stopped (stop token, length, ...)
+    weight_versions: list[int]  # sorted unique versions that sampled the turn
+    max_policy_staleness: int = 0
+    max_kv_staleness: int = 0
+
+    @property
+    def computed_tokens(self) -> int:
+        """Context tokens the engine had to compute for this turn (prefill)."""
+        return self.context_tokens - self.cached_tokens
 
 
 @dataclasses.dataclass
@@ -42,6 +71,18 @@ class Sample:
     failed: bool = False
     error: str | None = None  # why it failed (the record's last error event)
     token_times: list[float] = dataclasses.field(default_factory=list, repr=False)  # wall clock
+    loss_mask: list[int] | None = None  # per completion token; None: every token is the model's
+    turns: list[Turn] = dataclasses.field(default_factory=list)  # episodes only
+    env_info: dict[str, float] = dataclasses.field(default_factory=dict)  # summed EnvStep.info
+
+    @property
+    def is_episode(self) -> bool:
+        return bool(self.turns) or self.loss_mask is not None
+
+    @property
+    def num_model_tokens(self) -> int:
+        """Completion tokens the policy sampled (observation tokens excluded)."""
+        return len(self.completion_tokens) if self.loss_mask is None else sum(self.loss_mask)
 
     @property
     def max_policy_staleness(self) -> int:
@@ -65,7 +106,7 @@ def sample_from_request(
 ) -> Sample:
     """Cut a Sample from a merged (checkpoint-free) request and its per-token staleness."""
     prompt = [] if req.prompt_tokens is None else req.prompt_tokens.tolist()
-    evictions = sum(e.type == DynamicInferenceEventType.EVICT for e in req.events)
+    evictions = num_evictions(req)
     failed = req.failed()
     return Sample(
         group_id=group_id,
@@ -88,6 +129,11 @@ def sample_from_request(
         error=request_error(req) if failed else None,
         token_times=_token_times(req),
     )
+
+
+def num_evictions(req: DynamicInferenceRequest) -> int:
+    """How often the engine evicted the request (its KV dropped for lack of blocks)."""
+    return sum(e.type == DynamicInferenceEventType.EVICT for e in req.events)
 
 
 def request_error(req: DynamicInferenceRequest) -> str:
@@ -113,6 +159,8 @@ def _token_times(req: DynamicInferenceRequest) -> list[float]:
 def collate(samples: Sequence[Sample], pad_id: int = 0) -> dict[str, torch.Tensor]:
     """Right-padded [B, T] tensors over prompt + completion, aligned with the tokens.
 
+    `completion_mask` marks the tokens the policy sampled: the whole completion of a single-turn
+    sample, an episode's model turns only (its `loss_mask`), so every loss trains them alone.
     Per-token values (behaviour log-prob, staleness) sit at the completion token's own position,
     which is what `trainer_hooks.losses.sequence_log_probs` produces from the trainer's logits.
     """
@@ -123,6 +171,11 @@ def collate(samples: Sequence[Sample], pad_id: int = 0) -> dict[str, torch.Tenso
             raise ValueError(
                 f"sample {s.request_id}: {len(s.logprobs)} log-probs for "
                 f"{len(s.completion_tokens)} tokens (sampling_params.return_log_probs=False?)"
+            )
+        if s.loss_mask is not None and len(s.loss_mask) != len(s.completion_tokens):
+            raise ValueError(
+                f"sample {s.request_id}: loss_mask has {len(s.loss_mask)} entries for "
+                f"{len(s.completion_tokens)} completion tokens"
             )
     B, T = len(samples), max(s.num_tokens for s in samples)
     tokens = torch.full((B, T), pad_id, dtype=torch.long)
@@ -135,7 +188,9 @@ def collate(samples: Sequence[Sample], pad_id: int = 0) -> dict[str, torch.Tenso
         p, n = len(s.prompt_tokens), len(s.completion_tokens)
         tokens[i, : p + n] = torch.tensor(s.prompt_tokens + s.completion_tokens, dtype=torch.long)
         attention[i, : p + n] = True
-        completion[i, p : p + n] = True
+        completion[i, p : p + n] = (
+            True if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.bool)
+        )
         logp[i, p : p + n] = torch.tensor(s.logprobs, dtype=torch.float32)
         pol[i, p : p + n] = torch.tensor(s.policy_staleness, dtype=torch.int32)
         kv[i, p : p + n] = torch.tensor(s.kv_staleness, dtype=torch.int32)

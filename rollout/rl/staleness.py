@@ -1,23 +1,19 @@
-"""Per-token staleness at hand-out, and the `max_staleness` filter.
+"""Per-token staleness, computed when a sample is handed out.
 
 A group's merged request records wait in the manager until the trainer takes them. Only then
-(`hand_out`) are they cut into Samples whose per-token staleness is computed, in one place
-(`completion_staleness`), from each token's own weight versions against the manager's version
-history at that moment: no update count is taken when a record arrives, so it does not matter
-how late a record reaches the manager (dp > 1, async) or how long it waits. The definitions are
-in docs/internals.md ("Staleness"). `stale_indices` picks the samples over the bound (the
-manager drops their whole group or regenerates just those samples).
+(`rollout.rl.groups.hand_out`) are they cut into Samples whose per-token staleness is computed,
+in one place (`completion_staleness`), from each token's own weight versions against the
+manager's version history at that moment: no update count is taken when a record arrives, so it
+does not matter how late a record reaches the manager (dp > 1, async) or how long it waits. The
+definitions are in docs/internals.md ("Staleness").
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Any
 
 from rollout.request import DynamicInferenceRequest
-from rollout.rl.samples import Sample, sample_from_request
-from rollout.sampling import SamplingParams
 
 
 class VersionHistory:
@@ -98,36 +94,3 @@ def _counters(req: DynamicInferenceRequest, start: int, n: int) -> list[int]:
     t = req.kv_cache_staleness
     vals = [] if t is None else t[start : start + n].tolist()
     return vals + [0] * (n - len(vals))
-
-
-@dataclasses.dataclass
-class Group:
-    """One GRPO group in the manager: the merged record of each member once it finished."""
-
-    gid: int
-    prompt: Any
-    metadata: Any
-    sampling_params: SamplingParams
-    records: list[DynamicInferenceRequest | None]
-    for_collect: bool = True
-
-    @property
-    def complete(self) -> bool:
-        return all(r is not None for r in self.records)
-
-
-def hand_out(g: Group, history: VersionHistory) -> list[Sample]:
-    """The group's samples, in index order, with staleness as of now."""
-    return [
-        sample_from_request(req, g.gid, i, g.metadata, completion_staleness(req, history))
-        for i, req in enumerate(g.records)
-    ]
-
-
-def stale_indices(samples: list[Sample], bound: int | None) -> list[int]:
-    """Indices of samples holding a token (or KV) staler than `bound` (None: no bound)."""
-    if bound is None:
-        return []
-    return [
-        s.index for s in samples if s.max_policy_staleness > bound or s.max_kv_staleness > bound
-    ]
