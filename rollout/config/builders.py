@@ -110,7 +110,9 @@ def manager_config(run: RunConfig, **changes: Any) -> RolloutManagerConfig:
         mode=r.mode.value, max_staleness=r.max_staleness, stale_policy=r.stale_policy.value,
         suspend_mode=run.engine.suspend_mode.value,
         max_inflight_groups=None if r.partial_rollouts else r.prompts_per_step,
-        initial_version=0,
+        initial_version=0, dynamic_sampling=r.dynamic_sampling, max_extra_groups=r.max_extra_groups,
+        max_turns=r.max_turns, max_episode_tokens=r.max_episode_tokens or run.engine.max_sequence_length,
+        env_timeout_s=r.env_timeout_s,
     )  # fmt: skip
     kwargs.update(changes)
     return RolloutManagerConfig(**kwargs)

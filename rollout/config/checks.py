@@ -184,8 +184,16 @@ def _check_coordinator(run: RunConfig, errors: list[str]) -> None:
 
 def _check_rollout(run: RunConfig, errors: list[str]) -> None:
     r = run.rollout
-    for name in ("dp", "samples_per_prompt", "prompts_per_step", "max_new_tokens"):
+    for name in ("dp", "samples_per_prompt", "prompts_per_step", "max_new_tokens", "max_turns"):
         _need(errors, getattr(r, name) >= 1, f"rollout.{name} must be >= 1, got {getattr(r, name)}")
+    if r.max_extra_groups is not None:
+        _need(errors, r.max_extra_groups >= 0,
+              f"rollout.max_extra_groups must be >= 0 or null, got {r.max_extra_groups}")  # fmt: skip
+    if r.max_episode_tokens is not None:
+        _need(errors, 1 <= r.max_episode_tokens <= run.engine.max_sequence_length,
+              f"rollout.max_episode_tokens must be in [1, engine.max_sequence_length="
+              f"{run.engine.max_sequence_length}] or null, got {r.max_episode_tokens}")  # fmt: skip
+    _need(errors, r.env_timeout_s > 0, f"rollout.env_timeout_s must be > 0, got {r.env_timeout_s}")
     _need(
         errors,
         r.temperature >= 0,

@@ -120,6 +120,11 @@ class RolloutCfg:
     stale_policy: StalePolicy = StalePolicy.drop
     kv_policy: KVPolicy = KVPolicy.recompute
     partial_rollouts: bool = True
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
+    max_extra_groups: int | None = None  # dynamic sampling's extra groups per batch (None: batch)
+    max_turns: int = 8  # multi-turn episodes: model turns
+    max_episode_tokens: int | None = None  # episodes: all tokens (None: engine.max_sequence_length)
+    env_timeout_s: float = 60.0  # episodes: one environment call
 
 
 @dataclass

@@ -124,7 +124,15 @@ class EpisodeRunner:
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
+        try:
+            self.loop.run_forever()
+        finally:
+            pending = asyncio.all_tasks(self.loop)
+            for task in pending:
+                task.cancel()
+            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            self.loop.run_until_complete(self.loop.shutdown_default_executor())
+            self.loop.close()
 
     async def _episode(self, job: _Job) -> None:
         record = EpisodeRecord(request_id=-1)

@@ -548,7 +548,7 @@ class RolloutManager:
             turn_sp = sp
             if sp.seed is not None:  # each turn its own reproducible stream
                 turn_sp = sp.replace(seed=(sp.seed * 1_000_003 + self._next_rid * 7919) % 2**31)
-            self._add_request(prompt, turn_sp, deliver, routing_key=key)
+            self._add_request(prompt, turn_sp, deliver, routing_key=None)  # ROUTING_KEY_PENDING
 
         self._driver.submit(submit)
         return fut
