@@ -240,7 +240,44 @@ def test_episode_and_dynamic_sampling_options_reach_the_manager():
     assert (cfg.dynamic_sampling, cfg.max_extra_groups, cfg.max_turns) == (True, 5, 3)
     assert cfg.env_timeout_s == 2.5
     assert cfg.max_episode_tokens == run.engine.max_sequence_length
-    with pytest.raises(ConfigError, match="rollout.max_episode_tokens"):
+    with pytest.raises(ConfigError, match=r"rollout\.max_episode_tokens"):
         load_config(["rollout.max_episode_tokens=100000"])
-    with pytest.raises(ConfigError, match="rollout.max_turns"):
+    with pytest.raises(ConfigError, match=r"rollout\.max_turns"):
         load_config(["rollout.max_turns=0"])
+
+
+def test_grpo_loss_trains_the_model_turns_only():
+    """The gradient reaches the logits that predict model tokens and none that predict
+    observation, prompt or padding tokens."""
+    from trainer_hooks.loop import grpo_loss
+
+    policy = tiny_model(seed=5)
+    sp = SamplingParams(temperature=1.0, num_tokens_to_generate=4, ignore_eos=True, seed=1)
+    with RolloutManager(model=policy, inference_config=_icfg()) as m:
+        samples = m.collect(iter(_examples(2)), 2, n=2, reward_fn=lambda s: float(s.index),
+                            sampling_params=sp, env=Scripted)  # fmt: skip
+    captured = {}
+
+    def forward(tokens: torch.Tensor) -> torch.Tensor:
+        logits = policy(tokens)
+        logits.retain_grad()
+        captured["logits"] = logits
+        return logits
+
+    loss, _ = grpo_loss(_Forward(forward, policy), samples, n=2)
+    loss.backward()
+    grad = captured["logits"].grad[:, :-1].abs().sum(-1)  # position t predicts token t + 1
+    trained = collate(samples)["completion_mask"][:, 1:]
+    assert bool((grad[~trained] == 0).all())
+    assert bool((grad[trained] > 0).all())
+
+
+class _Forward(torch.nn.Module):
+    """`fn` as a module whose parameters are `owner`'s (grpo_loss asks for the device)."""
+
+    def __init__(self, fn, owner: torch.nn.Module) -> None:
+        super().__init__()
+        self.fn, self.owner = fn, owner
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.fn(tokens)

@@ -104,11 +104,14 @@ class RolloutHooks:
         n: int = 1,
         reward_fn: Any = None,
         sampling_params: Any = None,
+        *,
+        env: Any = None,
     ) -> list[Sample]:
-        """`manager.collect(...)` as one rollout phase: the engines are suspended on return."""
+        """`manager.collect(...)` as one rollout phase: the engines are suspended on return.
+        `env` (an EnvFactory) makes each sample a multi-turn episode."""
         with self.rollout():
             return self.manager.collect(
-                prompt_source, batch_size_groups, n, reward_fn, sampling_params
+                prompt_source, batch_size_groups, n, reward_fn, sampling_params, env=env
             )
 
     def on_before_optimizer(self, step: int) -> None:

@@ -67,15 +67,21 @@ def train(
     loss_fn: LossFn | None = None,
     hooks: RolloutHooks | None = None,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
+    env: Any = None,
 ) -> list[dict[str, float]]:
-    """Run `num_steps` RL steps; returns one metrics dict per step (train/*, rollout/*, ...)."""
+    """Run `num_steps` RL steps; returns one metrics dict per step (train/*, rollout/*, ...).
+
+    `env` (an EnvFactory, rollout.rl.environment) makes every sample a multi-turn episode; the
+    loss then trains the model's turns only (collate's completion_mask is the loss mask)."""
     hooks = hooks or RolloutHooks(manager, model)
     loss_fn = loss_fn or (lambda m, s: grpo_loss(m, s, n))
     history: list[dict[str, float]] = []
     hooks.on_train_start(model)
     try:
         for step in range(num_steps):
-            samples = hooks.collect(prompts, batch_size_groups, n, reward_fn, sampling_params)
+            samples = hooks.collect(
+                prompts, batch_size_groups, n, reward_fn, sampling_params, env=env
+            )
             if not samples:
                 break
             loss, metrics = loss_fn(model, samples)

@@ -10,7 +10,9 @@ Three log-prob tensors meet in the loss (decoupled PPO, as in AReaL):
                from `old_logp` because of staleness (the token was sampled by an older version)
                and engine/trainer numeric mismatch (kernels, dtype).
 
-Per token t with advantage A_t (all tensors [B, T], `mask` selects the completion tokens):
+Per token t with advantage A_t (all tensors [B, T], `mask` selects the tokens to train: the
+completion, or a multi-turn episode's model turns only, `collate`'s `completion_mask`, so
+observation tokens from an environment never enter the loss):
 
     ratio_t = exp(new_t - old_t)
     pg_t    = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - eps_low, 1 + eps_high))
