@@ -305,8 +305,8 @@ class RolloutManager:
             self._top_up(source, n, sp, cap, env)
         self._last.update(  # the whole batch, not just its last group
             staleness_summary(
-                [s.policy_staleness for s in batch],
-                kv=[s.kv_staleness for s in batch],
+                [s.on_model_tokens(s.policy_staleness) for s in batch],
+                kv=[s.on_model_tokens(s.kv_staleness) for s in batch],
                 histograms=False,
             )
         )

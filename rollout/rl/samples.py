@@ -79,6 +79,13 @@ class Sample:
     def is_episode(self) -> bool:
         return bool(self.turns) or self.loss_mask is not None
 
+    def on_model_tokens(self, values: list[Any]) -> list[Any]:
+        """`values` (one per completion token) at the tokens the policy sampled: an episode's
+        observation tokens carry placeholders that must not enter statistics."""
+        if self.loss_mask is None:
+            return values
+        return [v for v, bit in zip(values, self.loss_mask, strict=True) if bit]
+
     @property
     def num_model_tokens(self) -> int:
         """Completion tokens the policy sampled (observation tokens excluded)."""
