@@ -281,3 +281,19 @@ class _Forward(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.fn(tokens)
+
+
+def test_stale_episodes_are_regenerated_from_the_start():
+    engine_model = tiny_model(seed=3)
+    sp = SamplingParams(temperature=1.0, num_tokens_to_generate=4, ignore_eos=True, seed=3)
+    source = iter([{"prompt_ids": [5 + i, 9, 11, 13], "turns": 2 + 3 * (i // 2 % 2)}
+                   for i in range(24)])  # fmt: skip
+    with RolloutManager(model=engine_model, inference_config=_icfg(), max_inflight_groups=4,
+                        max_staleness=0, stale_policy="regenerate") as m:  # fmt: skip
+        m.collect(source, 2, n=2, sampling_params=sp, env=Scripted)
+        m.update_weights(_weights(1), 1)
+        batch = m.collect(source, 4, n=2, sampling_params=sp, env=Scripted)  # + the leftovers
+        regenerated = m.stats()["rollout/samples_regenerated"]
+    assert regenerated > 0
+    assert all(s.weight_versions == [1] and s.max_policy_staleness == 0 for s in batch)
+    assert all(not s.failed for s in batch)
