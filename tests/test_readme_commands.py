@@ -64,6 +64,7 @@ COVERED = {
 # README ```python blocks (by the heading above them) -> the test that executes them.
 SNIPPETS = {
     "### As a trainer's rollout layer": "test_trainer_snippet",
+    "### Multi-turn, tool-using episodes": "test_episode_snippet",
     "### As an inference library": "test_inference_snippet",
     "### OpenAI-compatible HTTP": "test_http_section",
 }
@@ -523,6 +524,26 @@ def test_trainer_snippet():
             len(s.logprobs) == len(s.completion_tokens) for s in groups
         )
         assert manager.version == 2
+    finally:
+        manager.close()
+
+
+def test_episode_snippet():
+    """The multi-turn example: 4 groups x 4 episodes of the guessing game, masks and turns."""
+    from rollout import InferenceConfig
+    from rollout.models import ModelConfig, build_model
+    from rollout.tokenizers import ByteTokenizer
+
+    tok = ByteTokenizer()
+    policy = build_model(ModelConfig.preset("tiny", vocab_size=tok.vocab_size), seed=0)
+    names = dict(policy_copy=policy, tok=tok, icfg=InferenceConfig(max_sequence_length=128))
+    ns = exec_snippet("### Multi-turn, tool-using episodes", names)
+    episodes, manager = ns["episodes"], ns["manager"]
+    try:
+        assert len(episodes) == 16 and not any(s.failed for s in episodes)
+        assert all(1 <= len(s.turns) <= 4 for s in episodes)
+        assert any(0 in s.loss_mask for s in episodes)  # some guess missed: an observation
+        assert all(s.finish_reason in ("done", "max_turns") for s in episodes)
     finally:
         manager.close()
 
