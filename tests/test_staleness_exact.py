@@ -17,6 +17,8 @@ import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import staleness_oracle as oracle
@@ -24,6 +26,7 @@ import torch
 from fake_engine import wait_for
 
 from rollout.models import ModelConfig, build_model
+from rollout.rl.environment import Environment, EnvStep
 from rollout.rl.manager import RolloutManager
 from rollout.sampling import SamplingParams
 from rollout.serving.factory import build_engine
@@ -207,3 +210,74 @@ def test_killed_engine_requests_are_redispatched_with_exact_staleness(tmp_path):
     assert any(0 in s.token_versions and 1 in s.token_versions for s in resumed), [
         (s.request_id, s.weight_versions) for s in resumed
     ]
+
+
+class _Echo(Environment):
+    """Episodes of `turns` model turns; each observation is two fixed tokens."""
+
+    def __init__(self, example: dict) -> None:
+        self.turns, self.seen = example["turns"], 0
+
+    async def reset(self, example: dict) -> list[int]:
+        return list(example["prompt"])
+
+    async def step(self, turn: list[int]) -> EnvStep:
+        self.seen += 1
+        return EnvStep(observation=[7, 7], reward=float(len(turn)), done=self.seen >= self.turns)
+
+
+def _episodes() -> Iterator[dict]:
+    for i in range(10_000):
+        yield {"prompt": [256, 1 + i % 250, 1 + i // 250, 9, 9], "turns": (1, 3, 2, 4)[i % 4]}
+
+
+def _turn_samples(s: Any) -> Iterator[tuple[Any, slice]]:
+    """Each model turn of an episode as the single-turn sample the oracle knows: the turn's
+    request prompt (the episode so far) and its tokens; with the slice of the episode's
+    completion it covers."""
+    for t in s.turns:
+        span = slice(t.start, t.start + t.num_tokens)
+        turn = SimpleNamespace(prompt_tokens=s.prompt_tokens + s.completion_tokens[: t.start],
+                               completion_tokens=s.completion_tokens[span])  # fmt: skip
+        yield turn, span
+
+
+EPISODE_CASES = [
+    pytest.param(1, "colocated", "keep", id="dp1-colocated-keep"),
+    pytest.param(1, "async", "keep", id="dp1-async-keep"),
+    pytest.param(2, "colocated", "keep", id="dp2-colocated-keep"),
+]
+
+
+@pytest.mark.parametrize("dp,mode,kv_policy", EPISODE_CASES)
+def test_episode_staleness_matches_oracle(tmp_path, dp, mode, kv_policy):
+    """Multi-turn episodes crossing updates: every model token of every turn against the
+    oracle; observation tokens carry no version and no staleness."""
+    sp = SamplingParams(num_tokens_to_generate=5, ignore_eos=True, seed=11)
+    with _manager(tmp_path, dp, mode, kv_policy, "offload", 64) as m:
+        history, got, source = [m.version], [], _episodes()
+        for step in range(3):
+            got += [(s, len(history) - 1) for s in m.collect(source, 2, sampling_params=sp, env=_Echo)]  # fmt: skip
+            if mode == "colocated":
+                m.suspend()
+            history.append(m.update_weights(_weights(step + 1)))
+            if mode == "colocated":
+                m.resume()
+        got += [(s, len(history) - 1) for s in m.collect(source, 2, sampling_params=sp, env=_Echo)]  # fmt: skip
+    requests = oracle.replay(tmp_path, history)
+    spans = kv_stale = 0
+    for s, now in got:
+        assert not s.failed, s.error
+        for turn, span in _turn_samples(s):
+            e = oracle.expected(turn, requests)
+            assert s.token_versions[span] == [history[u] for u in e.sampled_updates]
+            assert s.kv_versions[span] == [history[u] for u in e.kv_updates]
+            assert s.policy_staleness[span] == [now - u for u in e.sampled_updates]
+            assert s.kv_staleness[span] == [now - u for u in e.kv_updates]
+        observed = [i for i, bit in enumerate(s.loss_mask) if not bit]
+        assert all(s.token_versions[i] == -1 and s.policy_staleness[i] == 0 for i in observed)
+        spans += len(s.weight_versions) > 1
+        kv_stale += s.max_kv_staleness > 0
+    assert len(got) == 8
+    if dp == 1:
+        assert spans >= 1 and kv_stale >= 1  # crossed updates, with KV kept across one
