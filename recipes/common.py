@@ -12,6 +12,12 @@ async mode the engine never stops, so nothing is suspended):
     -> hooks.on_step_end: manager.update_weights(model)  (the engine holds its own copy)
     -> log rollout/*, engine/*, weight_sync/*, staleness/*, train/*
 
+A task with an environment (`task.env_factory(tokenizer)`, recipes/tool_tasks.py) runs
+multi-turn episodes instead: collect and evaluate pass `env=`, the episode's reward is the
+environment's, only the model's tokens are trained (observations are loss-masked by `collate`),
+and the episode metrics are logged (rollout/turns_per_episode, rollout/tool_calls,
+rollout/kv_reuse_ratio, staleness/turn{k}_*: `rollout.rl.episodes.episode_metrics`).
+
 The model is trained from scratch with a supervised warm start first, on the task's
 demonstrations (imperfect in the default recipe: recipes/tasks.py), so GRPO starts from a non-zero
 reward. The evaluation before the first RL step and after the last (greedy, and sampled at the
@@ -51,6 +57,8 @@ from rollout.config.builders import (
 )
 from rollout.config.schema import HF_DIR, RunConfig
 from rollout.metrics import save_plot, staleness_summary
+from rollout.rl.environment import EnvFactory
+from rollout.rl.episodes import episode_metrics
 from rollout.rl.manager import RolloutManager
 from rollout.rl.samples import Sample, collate
 from trainer_hooks.hooks import RolloutHooks
@@ -64,6 +72,8 @@ STALENESS_KEYS = (
     "staleness/kv_mean",
     "mismatch/logp_abs_diff_mean",
 )
+# Finish reasons of a cut-off sample or episode.
+_TRUNCATED = ("length", "max_turns", "max_tokens")
 # Reduced with max over micro-batches; every other loss metric is averaged.
 _MAX_KEYS = (
     "train/ratio_max",
@@ -123,6 +133,17 @@ def reward_fn(task: Any, tokenizer: Any):
     return fn
 
 
+def episode_reward(s: Sample) -> float:
+    """An episode's reward, as its environment gave it (a failed episode earns 0)."""
+    return 0.0 if s.failed else float(s.reward)
+
+
+def env_factory_of(task: Any, tokenizer: Any) -> EnvFactory | None:
+    """The task's multi-turn environment (`task.env_factory(tokenizer)`); None: single-turn."""
+    make = getattr(task, "env_factory", None)
+    return None if make is None else make(tokenizer)
+
+
 def evaluate(
     manager: RolloutManager,
     items: list[dict[str, Any]],
@@ -130,23 +151,35 @@ def evaluate(
     reward: Any,
     n: int = 1,
     name: str = "eval",
+    env: EnvFactory | None = None,
 ) -> dict[str, float]:
-    """Decode a fixed prompt set (n samples each): mean reward and exact-answer accuracy."""
-    samples = manager.generate(items, n=n, sampling_params=sp)
+    """Decode a fixed prompt set (n samples or episodes each): mean reward and exact-answer
+    accuracy; episodes add their turns and tool calls (train/{name}_turns, ...)."""
+    samples = manager.generate(items, n=n, sampling_params=sp, env=env)
     rewards = [reward(s) for s in samples]
-    return {
+    out = {
         f"train/{name}_reward": sum(rewards) / len(rewards),
         f"train/{name}_accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
     }
+    if env is not None:
+        out[f"train/{name}_turns"] = sum(len(s.turns) for s in samples) / len(samples)
+        for key in sorted({k for s in samples for k in s.env_info}):
+            out[f"train/{name}_{key}"] = sum(s.env_info.get(key, 0.0) for s in samples) / len(samples)  # fmt: skip
+    return out
 
 
 def evaluate_all(
-    manager: RolloutManager, items: list[dict[str, Any]], greedy: Any, sp: Any, reward: Any
+    manager: RolloutManager,
+    items: list[dict[str, Any]],
+    greedy: Any,
+    sp: Any,
+    reward: Any,
+    env: EnvFactory | None = None,
 ) -> dict[str, float]:
     """Greedy (train/eval_*) and sampled at the training temperature (train/eval_sampled_*,
     SAMPLED_EVAL_N per prompt) on the same prompts: the before/after pair of a run."""
-    out = evaluate(manager, items, greedy, reward)
-    out.update(evaluate(manager, items, sp, reward, n=SAMPLED_EVAL_N, name="eval_sampled"))
+    out = evaluate(manager, items, greedy, reward, env=env)
+    out.update(evaluate(manager, items, sp, reward, n=SAMPLED_EVAL_N, name="eval_sampled", env=env))  # fmt: skip
     return out
 
 
@@ -221,7 +254,8 @@ def grpo_update(
 
 
 def rollout_metrics(samples: list[Sample], collect_s: float, histograms: bool) -> dict[str, Any]:
-    """Lengths, train/reward*, staleness/* of this batch (throughput: see `_throughput`)."""
+    """Lengths, train/reward*, staleness/* of this batch (the model's tokens; episodes add
+    `rollout.rl.episodes.episode_metrics`: turns, tool calls, KV reuse, staleness per turn)."""
     n_tok = sum(len(s.completion_tokens) for s in samples)
     lens = [len(s.completion_tokens) for s in samples]
     rewards = [float(s.reward) for s in samples]
@@ -232,7 +266,7 @@ def rollout_metrics(samples: list[Sample], collect_s: float, histograms: bool) -
         "rollout/completion_len_mean": n_tok / len(samples),
         "rollout/completion_len_max": max(lens),
         "rollout/prompt_len_mean": sum(len(s.prompt_tokens) for s in samples) / len(samples),
-        "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+        "rollout/truncated_frac": sum(s.finish_reason in _TRUNCATED for s in samples) / len(samples),
         "rollout/weight_versions_per_sample": sum(len(s.weight_versions) for s in samples) / len(samples),
         "train/reward": mean,
         "train/reward_std": (sum((x - mean) ** 2 for x in rewards) / len(rewards)) ** 0.5,
@@ -240,11 +274,20 @@ def rollout_metrics(samples: list[Sample], collect_s: float, histograms: bool) -
     }  # fmt: skip
     out.update(
         staleness_summary(
-            [torch.tensor(s.policy_staleness, dtype=torch.int32) for s in samples],
-            kv=[torch.tensor(s.kv_staleness, dtype=torch.int32) for s in samples],
+            [
+                torch.tensor(s.on_model_tokens(s.policy_staleness), dtype=torch.int32)
+                for s in samples
+            ],
+            kv=[
+                torch.tensor(s.on_model_tokens(s.kv_staleness), dtype=torch.int32) for s in samples
+            ],
             histograms=histograms,
         )
     )
+    episodes = episode_metrics(samples)
+    if "rollout/episodes_failed" in episodes:  # the manager's stats() hold the running count
+        episodes["rollout/batch_episodes_failed"] = episodes.pop("rollout/episodes_failed")
+    out.update(episodes)
     return out
 
 
@@ -305,7 +348,8 @@ def _train(
     stops = list(getattr(tok, "eos_ids", None) or [tok.eos_id])
     sp = sampling_params(run, stop_token_ids=stops)
     greedy = sampling_params(run, stop_token_ids=stops, temperature=0.0, top_k=0, top_p=1.0)
-    reward = reward_fn(task, tok)
+    env = env_factory_of(task, tok)
+    reward = reward_fn(task, tok) if env is None else episode_reward
     eval_rng = random.Random(run.recipe.seed + 1)
     eval_items = [{"prompt": task.prompt_ids(ex, tok), "example": ex}
                   for ex in task.sample_prompts(run.recipe.eval_prompts, eval_rng)]  # fmt: skip
@@ -324,13 +368,14 @@ def _train(
         with hooks.rollout():
             resumed_at = time.perf_counter()
             if run.recipe.eval_every and step == 0:  # the warm start alone: greedy and sampled
-                first_eval = last_eval = evaluate_all(manager, eval_items, greedy, sp, reward)
+                first_eval = last_eval = evaluate_all(manager, eval_items, greedy, sp, reward, env)
                 metrics.update(first_eval)
             elif run.recipe.eval_every and step % run.recipe.eval_every == 0:
-                last_eval = evaluate(manager, eval_items, greedy, reward)
+                last_eval = evaluate(manager, eval_items, greedy, reward, env=env)
                 metrics.update(last_eval)
             tc = time.perf_counter()
-            samples = manager.collect(source, r.prompts_per_step, r.samples_per_prompt, reward, sp)
+            samples = manager.collect(source, r.prompts_per_step, r.samples_per_prompt,
+                                      reward if env is None else None, sp, env=env)  # fmt: skip
             collect_s = time.perf_counter() - tc
         suspended_at = time.perf_counter()
         if not samples:
@@ -370,7 +415,7 @@ def _train(
     bar.close()
     if run.recipe.eval_every:  # final evaluation with the trained weights
         with hooks.rollout():
-            last_eval = evaluate_all(manager, eval_items, greedy, sp, reward)
+            last_eval = evaluate_all(manager, eval_items, greedy, sp, reward, env)
         logger.log(last_eval, step=t.steps)
     hooks.on_train_end()
     steps, rewards = logger.series("train/reward")

@@ -78,6 +78,18 @@ class Task:
         """The warm start's target for `example`: the answer (a perfect demonstrator)."""
         return example.answer
 
+    def demonstration_tokens(
+        self, example: TaskExample, rng: random.Random, tokenizer: Tokenizer
+    ) -> tuple[list[int], list[bool]]:
+        """What the warm start appends to the prompt, as ids, and which of them it trains: here
+        the demonstration and eos, all trained (a multi-turn task leaves its observations out)."""
+        ids = [*tokenizer.encode(self.demonstration(example, rng), add_bos=False), tokenizer.eos_id]
+        return ids, [True] * len(ids)
+
+    def env_factory(self, tokenizer: Tokenizer) -> Any:
+        """The multi-turn episodes' `EnvFactory` (`rollout.rl.environment`); None: single-turn."""
+        return None
+
     # -- sampling ---------------------------------------------------------------------------------
     def sample_prompts(self, n: int, rng: random.Random | int) -> list[TaskExample]:
         """n examples drawn from `rng` (a `random.Random`, or an int seed)."""
@@ -127,16 +139,17 @@ class Task:
         """Teacher-forcing batch: bos + prompt + demonstration + eos, right-padded with pad_id.
 
         Returns `tokens` [n, T] int64, `loss_mask` [n, T] bool (True on the demonstration tokens
-        and the eos: the positions whose token the model must predict), `prompt_lens` [n]. The
+        and the eos, `demonstration_tokens`: the positions whose token the model must predict),
+        `prompt_lens` [n]. The
         mask lines up with `trainer_hooks.losses.sequence_log_probs(logits, tokens, loss_mask)`.
         """
         rng = _as_rng(rng)
         seqs, masks, plens = [], [], []
         for ex in self.sample_prompts(n, rng):
             p = self.prompt_ids(ex, tokenizer)
-            a = [*tokenizer.encode(self.demonstration(ex, rng), add_bos=False), tokenizer.eos_id]
+            a, trained = self.demonstration_tokens(ex, rng, tokenizer)
             seqs.append(p + a)
-            masks.append([False] * len(p) + [True] * len(a))
+            masks.append([False] * len(p) + trained)
             plens.append(len(p))
         width = max((len(s) for s in seqs), default=0)
         tokens = torch.full((n, width), tokenizer.pad_id, dtype=torch.long)

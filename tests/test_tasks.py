@@ -1,7 +1,9 @@
-"""recipes.tasks: rewards, determinism, supervised batches, registry errors."""
+"""recipes.tasks and recipes.tool_tasks: rewards, determinism, supervised batches (multi-turn
+ones loss-masked on observations), the calculator tool, registry errors."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -10,6 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from recipes.tasks import AddTask, ReverseTask, TaskExample, get_task, score
+from recipes.tool_tasks import CalculatorTask, calculator
+from recipes.tool_tasks import get_task as get_tool_task
 from rollout.tokenizers import ByteTokenizer
 
 
@@ -205,3 +209,72 @@ def test_prompts_start_without_bos_when_the_tokenizer_has_none():
 def test_registry_errors(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# -- tool tasks (recipes.tool_tasks) ---------------------------------------------------------------
+
+
+def test_calculator_tool_evaluates_integer_arithmetic_only():
+    assert calculator("4821*37") == "178377"
+    assert calculator(" (2+3)*-4 // 3 % 5 ") == str((2 + 3) * -4 // 3 % 5)
+    for bad, fragment in [("2**3", "unsupported"), ("1.5*2", "unsupported"), ("x*2", "unsupported"),
+                          ("4821*", "not an expression"), ("7//0", "division by zero"),
+                          ("9" * 20 + "*" + "9" * 20, "longer than")]:  # fmt: skip
+        with pytest.raises(ValueError, match=fragment):
+            calculator(bad)
+
+
+def test_calculator_examples_and_budgets():
+    task = get_tool_task("calculator", min_digits=3, max_digits=4, multiplier_digits=2)
+    for ex in task.sample_prompts(50, random.Random(4)):
+        a, b = ex.prompt.removesuffix("=").split("*")
+        assert 100 <= int(a) <= 9999 and 10 <= int(b) <= 99 and ex.answer == str(int(a) * int(b))
+        assert len(task.call_text(ex)) <= task.max_new_tokens
+    assert task.call_text(TaskExample("4821*37=", "178377")) == "<calc>4821*37</calc>"
+    assert task.max_new_tokens == len("<calc>9999*99</calc>")
+    with pytest.raises(ValueError, match="demo_tool_rate"):
+        get_tool_task("calculator", demo_tool_rate=1.5)
+    with pytest.raises(ValueError, match="unknown task"):
+        get_tool_task("search")
+
+
+def test_calculator_warm_start_masks_the_observation(tok):
+    """Tool demonstrations: call and answer (+ eos) trained, the calculator's result not; the
+    result tokens are exactly what the environment appends in RL."""
+    task = CalculatorTask(demo_tool_rate=1.0)
+    ex = TaskExample("4821*37=", "178377")
+    ids, trained = task.demonstration_tokens(ex, random.Random(0), tok)
+    text = tok.decode(ids, skip_special_tokens=False)
+    assert text == "<calc>4821*37</calc>178377\n178377<eos>"
+    untrained = tok.decode([i for i, t in zip(ids, trained, strict=True) if not t])
+    assert untrained == "178377\n"
+    env = task.env_factory(tok)({"prompt": task.prompt_ids(ex, tok), "example": ex})
+    call = tok.encode("<calc>4821*37</calc>")
+    obs = asyncio.run(env.step(call)).observation
+    assert obs == [i for i, t in zip(ids, trained, strict=True) if not t]
+
+
+def test_calculator_demonstrator_calls_the_tool_at_demo_tool_rate(tok):
+    task = CalculatorTask(demo_tool_rate=0.3)
+    rng = random.Random(5)
+    demos = [task.demonstration_tokens(ex, rng, tok) for ex in task.sample_prompts(1000, 6)]
+    calls = [tok.decode(ids).startswith("<calc>") for ids, _ in demos]
+    assert 0.25 < sum(calls) / len(calls) < 0.35
+    guesses = [tok.decode(ids) for (ids, _), c in zip(demos, calls, strict=True) if not c]
+    assert all(g.isdigit() for g in guesses)  # a direct answer, one turn, eos trained
+    batch = task.supervised_batch(32, random.Random(7), tok)
+    assert batch["loss_mask"].sum() < (batch["tokens"] != tok.pad_id).sum()
+
+
+def test_calculator_episode_rewards_the_final_answer(tok):
+    task = CalculatorTask()
+    ex = TaskExample("4821*37=", "178377")
+    env = task.env_factory(tok)({})
+
+    async def episode(turns: list[str]) -> list:
+        await env.reset({"prompt": task.prompt_ids(ex, tok), "example": ex})
+        return [await env.step([*tok.encode(t), tok.eos_id]) for t in turns]
+
+    assert asyncio.run(episode(["178377"]))[0].reward == 1.0
+    wrong = asyncio.run(episode(["482100"]))[0]
+    assert wrong.done and wrong.reward == pytest.approx(task.reward("482100", ex))
