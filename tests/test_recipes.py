@@ -7,9 +7,11 @@ slow test (`pytest -m slow`) checks that RL beats the warm start in the recipes 
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -159,18 +161,34 @@ def test_calculator_recipe_runs_tool_episodes(tmp_path):
     assert final and "train/eval_sampled_tool_calls" in final[0]
 
 
-def test_calculator_entry_point_defaults_to_its_recipe(tmp_path):
-    """`python -m recipes.grpo_calculator` picks recipe=grpo_calculator by itself."""
-    cmd = [sys.executable, "-m", "recipes.grpo_calculator",
-           *[o for o in TINY_CALCULATOR if not o.startswith("recipe=")], "trainer.steps=1",
-           "recipe.eval_every=0", "logger=disabled", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+def docstring_commands(module: str) -> list[str]:
+    """The `python -m module ...` lines of a recipe module's docstring."""
+    doc = importlib.import_module(module).__doc__ or ""
+    lines = [line.strip().split("  #")[0].strip() for line in doc.splitlines()]
+    return [line for line in lines if line.startswith(f"python -m {module}")]
+
+
+@pytest.mark.parametrize("command", docstring_commands("recipes.grpo_calculator"))
+def test_calculator_docstring_commands(command, tmp_path):
+    """Each command of recipes/grpo_calculator.py's docstring, as written plus tiny sizes, from
+    another directory: it picks recipe=grpo_calculator by itself and trains on tool episodes."""
+    words = shlex.split(command)
+    multirun = "-m" in words[3:]
+    tiny = [o for o in TINY_CALCULATOR if not o.startswith("recipe=")]
+    out = tmp_path / "out"
+    where = f"hydra.sweep.dir={out}" if multirun else f"hydra.run.dir={out}"
+    cmd = [sys.executable, *words[1:], *tiny, "trainer.steps=1", "recipe.eval_every=0",
+           "logger=disabled", where]  # fmt: skip
     env = {**os.environ, "WANDB_SILENT": "true"}
-    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    saved = json.loads((tmp_path / "run" / "metrics.json").read_text())
-    assert saved["config"]["recipe"]["name"] == "grpo_calculator"
-    assert saved["config"]["recipe"]["task"] == "calculator"
-    assert any("rollout/tool_calls" in r for r in saved["history"])
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = sorted(out.glob("*/metrics.json")) if multirun else [out / "metrics.json"]
+    assert len(runs) == (len(words[-1].split("=")[1].split(",")) if multirun else 1)
+    for path in runs:
+        saved = json.loads(path.read_text())
+        assert saved["config"]["recipe"]["name"] == "grpo_calculator"
+        assert any("rollout/tool_calls" in r for r in saved["history"])
+    assert "[grpo_calculator] reward curve" in done.stdout
 
 
 @pytest.mark.parametrize(
