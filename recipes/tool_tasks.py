@@ -107,7 +107,7 @@ class CalculatorTask(Task):
     # -- episodes ---------------------------------------------------------------------------------
     def call_text(self, example: TaskExample) -> str:
         """The model's first turn in a successful episode: the call on the prompt's operands."""
-        start, end = (t.format(name=self.tool) for t in (self.syntax.start, self.syntax.end))
+        start, end = (t.replace("{name}", self.tool) for t in (self.syntax.start, self.syntax.end))
         return f"{start}{example.prompt.removesuffix('=')}{end}"
 
     @property

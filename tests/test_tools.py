@@ -162,6 +162,8 @@ def test_sampling_params_stop_at_the_end_tags():
     assert sp.stop_token_ids == [TOK.eos_id] and base.stop_words == ["\n\n"]
     fixed = make_env(syntax=ToolCallSyntax("[[", "]]", tool="calc")).sampling_params(base)
     assert fixed.stop_words == ["\n\n", "]]"]
+    shared = make_env(syntax=ToolCallSyntax("CALL {name}(", ")")).sampling_params(base)
+    assert shared.stop_words == ["\n\n", ")"]  # one end tag for every tool
 
 
 def test_factory_builds_fresh_environments_and_checks_arguments_once():

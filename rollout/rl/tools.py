@@ -54,9 +54,9 @@ class ToolCallSyntax:
     """How a call is written.
 
     Named form (default): `start` contains `{name}` (and `end` may), as in `<calc>2*3</calc>` or
-    `CALL calc(2*3)`; any name counts as a call, so an unregistered one is reported as an unknown tool. Single-tool form:
-    fixed `start`/`end` tags and `tool` names the tool they call, as in `[[2*3]]`. A start tag
-    without its end tag is a malformed call. The end tags are the turn's stop words: generation
+    `CALL calc(2*3)`; any name counts as a call, so an unregistered one is reported as an unknown
+    tool. Single-tool form: fixed `start`/`end` tags and `tool` names the tool they call, as in
+    `[[2*3]]`. A start tag without its end tag is a malformed call. The end tags are the turn's stop words: generation
     stops right after a call, where the tool runs.
     """
 
@@ -85,7 +85,7 @@ class ToolCallSyntax:
         """The end tags of calls to `names` (the single-tool form has one)."""
         if self.tool is not None:
             return [self.end]
-        return [self.end.format(name=n) for n in names]
+        return list(dict.fromkeys(self.end.replace("{name}", n) for n in names))
 
     def parse(self, text: str) -> ToolCall | None:
         """The first call in `text`; None when there is none; ToolError when it is malformed."""
@@ -97,7 +97,7 @@ class ToolCallSyntax:
         if m is None:
             return None
         name = m.group(1)
-        close = self.end.format(name=name)
+        close = self.end.replace("{name}", name)
         stop = text.find(close, m.end())
         if stop < 0:
             raise ToolError(f"malformed call: {m.group(0)!r} without {close!r}")
