@@ -284,10 +284,7 @@ def rollout_metrics(samples: list[Sample], collect_s: float, histograms: bool) -
             histograms=histograms,
         )
     )
-    episodes = episode_metrics(samples)
-    if "rollout/episodes_failed" in episodes:  # the manager's stats() hold the running count
-        episodes["rollout/batch_episodes_failed"] = episodes.pop("rollout/episodes_failed")
-    out.update(episodes)
+    out.update(episode_metrics(samples))
     return out
 
 

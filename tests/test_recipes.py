@@ -151,7 +151,7 @@ def test_calculator_recipe_runs_tool_episodes(tmp_path):
     for row in rows:
         for key in EPISODE_KEYS:
             assert key in row, key
-        assert row["rollout/episodes"] == 8 and 1.0 <= row["rollout/turns_per_episode"] <= 3.0
+        assert row["rollout/batch_episodes"] == 8 and 1.0 <= row["rollout/turns_per_episode"] <= 3.0
         assert 0.0 <= row["rollout/tool_errors"] <= row["rollout/tool_calls"] <= 3.0
         assert row["staleness/policy_max"] <= 1 and 0.0 <= row["train/reward"] <= 1.0
     first = rows[0]

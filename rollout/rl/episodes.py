@@ -270,9 +270,9 @@ def episode_metrics(samples: list[Sample]) -> dict[str, float]:
         return {}
     n = len(eps)
     out: dict[str, float] = {
-        "rollout/episodes": n,
+        "rollout/batch_episodes": n,  # this batch; stats() hold the running episodes_* counts
         "rollout/turns_per_episode": sum(len(s.turns) for s in eps) / n,
-        "rollout/episodes_failed": sum(s.failed for s in eps),
+        "rollout/batch_episodes_failed": sum(s.failed for s in eps),
         "rollout/observation_tokens_per_episode": sum(
             len(s.completion_tokens) - s.num_model_tokens for s in eps
         ) / n,
