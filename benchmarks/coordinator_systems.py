@@ -257,7 +257,8 @@ class RolloutSystem:
         first, self._next_id = self._next_id, self._next_id + k
         prompt, sp = self._wire
         return [
-            encode(Headers.SUBMIT_REQUEST, first + i, prompt, sp, self.gen, False) for i in range(k)
+            encode(Headers.SUBMIT_REQUEST, first + i, prompt, sp, self.gen, False, None)
+            for i in range(k)
         ]
 
     def close(self) -> None:

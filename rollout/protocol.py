@@ -20,12 +20,12 @@ Message catalogue (C = client, Co = coordinator, E = engine); `SCHEMA` is author
     ENGINE_REGISTER    E->Co   [rank, capacity, weight_version, auth_token, block_size]
     ENGINE_REGISTER_ACK Co->E  [engine_id, heartbeat_s, state, weight_version, max_frame_bytes]
     SUBMIT_REQUEST     C->Co   [client_request_id, prompt(str | packed tokens), sampling_params(msgpack bytes),
-                                num_tokens_to_generate, stream]
+                                num_tokens_to_generate, stream, routing_key(str | None)]
     DISPATCH_REQUEST   Co->E   [request_id, prompt, sampling_params, block_hashes(packed int64),
                                 resume_tokens(packed int32), resume_log_probs(packed float64),
                                 resume_weight_versions(packed int64), stream]
     SUBMIT_BATCH       C->Co   [[[client_request_id, prompt, sampling_params, num_tokens_to_generate,
-                                stream], ...]]   (SUBMIT_REQUESTs sent in one loop turn, one frame)
+                                stream, routing_key], ...]]   (SUBMIT_REQUESTs of one loop turn, one frame)
     DISPATCH_BATCH     Co->E   [[[DISPATCH_REQUEST fields], ...]]  (one SUBMIT_BATCH's rows per engine)
     REPLY              E->Co, Co->C   [[[id, record_bytes], ...]]           (batched per step)
     REPLY_PARTIAL      E->Co, Co->C   [[[id, new_tokens, new_log_probs, new_weight_versions, extra], ...]]
@@ -134,6 +134,15 @@ OPT_BYTES = (bytes, type(None))
 PROMPT = (str, bytes)
 
 _CONTROL = (("control_id", INT),)
+_SUBMIT_FIELDS = (
+    ("client_request_id", INT),
+    ("prompt", PROMPT),
+    ("sampling_params", BYTES),
+    ("num_tokens_to_generate", INT),
+    ("stream", BOOL),
+    ("routing_key", OPT_STR),  # requests with one key stay on one engine (an episode's turns)
+)
+MAX_ROUTING_KEY_CHARS = 256
 _DISPATCH_FIELDS = (
     ("request_id", INT),
     ("prompt", PROMPT),
@@ -162,27 +171,10 @@ SCHEMA: dict[Headers, tuple[tuple[str, Any], ...]] = {
         ("weight_version", INT),  # the coordinator's label: label-only engines adopt it
         ("max_frame_bytes", INT),  # the largest frame it accepts: engines split replies under it
     ),
-    Headers.SUBMIT_REQUEST: (
-        ("client_request_id", INT),
-        ("prompt", PROMPT),
-        ("sampling_params", BYTES),
-        ("num_tokens_to_generate", INT),
-        ("stream", BOOL),
-    ),
+    Headers.SUBMIT_REQUEST: _SUBMIT_FIELDS,
     Headers.DISPATCH_REQUEST: _DISPATCH_FIELDS,
     Headers.DISPATCH_BATCH: (("requests", Rows(*_DISPATCH_FIELDS)),),
-    Headers.SUBMIT_BATCH: (
-        (
-            "requests",
-            Rows(
-                ("client_request_id", INT),
-                ("prompt", PROMPT),
-                ("sampling_params", BYTES),
-                ("num_tokens_to_generate", INT),
-                ("stream", BOOL),
-            ),
-        ),
-    ),
+    Headers.SUBMIT_BATCH: (("requests", Rows(*_SUBMIT_FIELDS)),),
     Headers.REPLY: (("replies", Rows(("id", INT), ("record", BYTES))),),
     Headers.REPLY_PARTIAL: (
         (

@@ -241,9 +241,13 @@ class DynamicInferenceRequest(InferenceRequest):
     latency: float | None = None
     last_token_time: float | None = None  # carried across checkpoints so tpot stays continuous
     staleness_version: int | None = None  # engine weights the staleness counters are relative to
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at the first admission
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        ct = self.cached_tokens
+        if isinstance(ct, bool) or not isinstance(ct, (int, np.integer)) or ct < 0:
+            raise ValueError(f"cached_tokens must be an int >= 0, got {ct!r}")
         sv = self.staleness_version
         if sv is not None and (isinstance(sv, bool) or not isinstance(sv, (int, np.integer))):
             raise ValueError(f"staleness_version must be an int or None, got {sv!r}")
@@ -530,6 +534,7 @@ class DynamicInferenceRequestRecord:
             latency=self.latency if self.latency is not None else last.latency,
             last_token_time=last.last_token_time,
             staleness_version=last.staleness_version,
+            cached_tokens=first.cached_tokens,
         )
 
     def _merged_prompt_log_probs(self) -> list[float] | None:

@@ -91,6 +91,7 @@ class FakeEngine:
         sampling_params: SamplingParams | None = None,
         record: DynamicInferenceRequestRecord | None = None,
         precomputed_block_hashes: list[int] | None = None,  # same signature as the real engine
+        routing_key: str | None = None,
     ) -> DynamicInferenceRequestRecord:
         if record is None:
             if isinstance(prompt, str):

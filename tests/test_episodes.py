@@ -78,6 +78,9 @@ def test_episode_is_one_token_list_with_masks_and_exact_greedy_turns(model):
         assert all(s.logprobs[i] == 0.0 and s.token_versions[i] == NO_VERSION for i in obs_at)
         assert all(s.logprobs[i] < 0.0 for i, bit in enumerate(mask) if bit)
         assert s.env_info == {"tool_calls": 3.0}
+        # KV reused: every complete block the previous turn computed (its last token was
+        # sampled, never fed back), block size 8
+        assert [t.cached_tokens for t in s.turns] == [0, 8, 16]
     batch = collate(samples)
     assert int(batch["completion_mask"].sum()) == 3 * 3 * TURN_TOKENS
     metrics = episode_metrics(samples)
@@ -297,3 +300,34 @@ def test_stale_episodes_are_regenerated_from_the_start():
     assert regenerated > 0
     assert all(s.weight_versions == [1] and s.max_policy_staleness == 0 for s in batch)
     assert all(not s.failed for s in batch)
+
+
+def test_turns_reuse_no_kv_without_the_prefix_cache_or_across_an_update(model):
+    with RolloutManager(model=model, inference_config=_icfg(enable_prefix_caching=False)) as m:
+        (s,) = m.generate(_examples(1), sampling_params=_greedy_sp(), env=Scripted)
+    assert [t.cached_tokens for t in s.turns] == [0, 0, 0]
+
+    class UpdateBetweenTurns(Scripted):
+        async def step(self, turn):
+            if not self.turns_seen:  # the engine's weights change while the episode waits here
+                await asyncio.to_thread(manager.update_weights, _weights(1), 1)
+            return await super().step(turn)
+
+    with RolloutManager(
+        model=tiny_model(seed=3), inference_config=_icfg(), mode="async"
+    ) as manager:
+        (s,) = manager.generate(_examples(1), sampling_params=_greedy_sp(), env=UpdateBetweenTurns)
+    assert [t.cached_tokens for t in s.turns] == [0, 0, 16]  # stale blocks are never reused
+    assert s.weight_versions == [0, 1]
+
+
+def test_episode_turns_stay_on_their_engine_at_dp2():
+    """Round robin would alternate a turn's engine; the episode's routing key keeps every turn
+    where its KV is, so every later turn reuses it."""
+    icfg = dict(num_blocks=256, block_size=8, max_requests=16, max_tokens_per_step=256)
+    options = {"coordinator": {"policy": "round_robin"}}
+    with RolloutManager(model="tiny", dp=2, inference_config=icfg, cluster_options=options) as m:
+        samples = m.generate(_examples(6), sampling_params=_greedy_sp(), env=Scripted)
+    for s in samples:
+        assert not s.failed and len(s.turns) == 3
+        assert [t.cached_tokens for t in s.turns] == [0, 8, 16]

@@ -120,6 +120,7 @@ class DynamicInferenceEngine:
         sampling_params: SamplingParams | None = None,
         record: DynamicInferenceRequestRecord | None = None,
         precomputed_block_hashes: Seq[int] | torch.Tensor | None = None,
+        routing_key: str | None = None,  # one engine: nothing to route (EngineProtocol)
     ) -> DynamicInferenceRequestRecord:
         """Queue a request (or resume a checkpointed `record`). A request that can never be
         served becomes a FAILED record returned by the next step(); the engine goes on.
@@ -411,7 +412,8 @@ class DynamicInferenceEngine:
     def _on_admit(self, seq: Sequence, reused: int) -> None:
         self.blocks.stats.tokens_reused += reused
         req = seq.request
-        if req.status == Status.WAITING_IN_QUEUE:
+        if req.status == Status.WAITING_IN_QUEUE:  # the first admission: what the prompt reused
+            req.cached_tokens = reused
             req.status = Status.ACTIVE_AND_GENERATING_TOKENS
             req.add_event_add_context()
 

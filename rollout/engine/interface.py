@@ -43,9 +43,12 @@ class EngineProtocol(Protocol):
         sampling_params: SamplingParams | None = None,
         record: DynamicInferenceRequestRecord | None = None,
         precomputed_block_hashes: Sequence[int] | None = None,
+        routing_key: str | None = None,
     ) -> Any:
         """Queue a request (text or token ids), or resume `record` (a checkpoint from another
         engine); `precomputed_block_hashes` (this engine's block size) spare hashing the prompt.
+        `routing_key`: requests with one key run on one engine while it lives (an episode's
+        turns, whose KV it holds); one engine has nothing to choose and ignores it.
         A request that can never run comes out of a later step as FAILED; a malformed call (an
         id already in the engine, a bad `record`) raises ValueError. The return value is the
         implementation's own (in-process: the live record): callers key on `request_id`."""

@@ -508,10 +508,7 @@ class RolloutManager:
         self._next_rid += 1
         self._requests[rid] = _Slot(prompt, deliver)
         try:
-            if routing_key is None:
-                self.engine.add_request(rid, prompt, sp)
-            else:
-                self.engine.add_request(rid, prompt, sp, routing_key=routing_key)
+            self.engine.add_request(rid, prompt, sp, routing_key=routing_key)
         except Exception as e:  # refused (bad prompt or parameters): this sample fails alone
             self._on_request(self._failed_request(rid, e))
         return rid
@@ -548,7 +545,7 @@ class RolloutManager:
             turn_sp = sp
             if sp.seed is not None:  # each turn its own reproducible stream
                 turn_sp = sp.replace(seed=(sp.seed * 1_000_003 + self._next_rid * 7919) % 2**31)
-            self._add_request(prompt, turn_sp, deliver, routing_key=None)  # ROUTING_KEY_PENDING
+            self._add_request(prompt, turn_sp, deliver, routing_key=key)
 
         self._driver.submit(submit)
         return fut

@@ -29,6 +29,7 @@ import zmq
 
 from rollout.protocol import (
     CONTROL_HEADERS,
+    MAX_ROUTING_KEY_CHARS,
     Headers,
     ProtocolError,
     batch_frames,
@@ -283,13 +284,21 @@ class InferenceClient:
     # ---- requests -----------------------------------------------------------------------
 
     def add_request(
-        self, prompt: Any, sampling_params: SamplingParams | None = None, *, _stream: bool = False
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams | None = None,
+        *,
+        routing_key: str | None = None,
+        _stream: bool = False,
     ) -> asyncio.Future:
         """Submit one prompt (str or token ids); a Future of its DynamicInferenceRequestRecord.
-        A prompt or sampling params that cannot go on the wire raise ValueError here, at once."""
+        Requests with the same `routing_key` go to the same engine while it lives (a multi-turn
+        episode's turns, whose KV that engine holds). A prompt, sampling params or key that
+        cannot go on the wire raise ValueError here, at once."""
         sp = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(sp, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
+        _check_routing_key(routing_key)
         wire_prompt = _wire_prompt(prompt)
         try:
             sp_bytes = pack_obj(sp.serialize())
@@ -298,7 +307,7 @@ class InferenceClient:
         if self._sock is None or self._stopped or not self._started:
             raise ClientStopped("client is not started or already stopped")
         crid = next(self._ids)
-        row = [crid, wire_prompt, sp_bytes, sp.num_tokens_to_generate, bool(_stream)]
+        row = [crid, wire_prompt, sp_bytes, sp.num_tokens_to_generate, bool(_stream), routing_key]
         if self._turn_open:
             # the rest of this loop turn's burst leaves as SUBMIT_BATCH frames when the turn
             # ends (or before any other message, so ordering holds): one socket send per burst
@@ -509,3 +518,13 @@ class InferenceClient:
 
     async def __aexit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def _check_routing_key(key: Any) -> None:
+    if key is None:
+        return
+    if not isinstance(key, str) or not 0 < len(key) <= MAX_ROUTING_KEY_CHARS:
+        raise ValueError(
+            f"routing_key must be None or a str of 1 to {MAX_ROUTING_KEY_CHARS} characters, "
+            f"got {key!r:.80}"
+        )

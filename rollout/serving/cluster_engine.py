@@ -54,21 +54,22 @@ class ClusterEngine:
         sampling_params: SamplingParams | None = None,
         record: DynamicInferenceRequestRecord | None = None,
         precomputed_block_hashes: Sequence[int] | None = None,  # the coordinator hashes
+        routing_key: str | None = None,
     ) -> int:
         if record is not None:
             raise ValueError("a ClusterEngine cannot resume a record: the coordinator moves "
                              "requests between its engines itself")  # fmt: skip
         self._pending += 1
         self.cluster.loop.loop.call_soon_threadsafe(
-            self._submit, request_id, prompt, sampling_params
+            self._submit, request_id, prompt, sampling_params, routing_key
         )
         return request_id
 
-    def _submit(self, rid: int, prompt: Any, sp: Any) -> None:
+    def _submit(self, rid: int, prompt: Any, sp: Any, routing_key: str | None) -> None:
         try:
             if isinstance(prompt, torch.Tensor):
                 prompt = prompt.tolist()
-            fut = self.cluster.client.add_request(prompt, sp)
+            fut = self.cluster.client.add_request(prompt, sp, routing_key=routing_key)
         except Exception as e:
             self._results.put((rid, e))
             return

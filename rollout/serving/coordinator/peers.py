@@ -47,6 +47,7 @@ class Pending:
     packed_hashes: bytes
     stream: bool
     affinity: int | None = None  # routing-only key when there is no block hash; never forwarded
+    routing_key: str | None = None  # the client's sticky key (an episode): same key, same engine
     engine: bytes | None = None
     reserved: int = 0  # tokens reserved on the router for the current engine
     resume_tokens: bytearray = field(default_factory=bytearray)  # streamed so far (int32 LE)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from rollout.protocol import Headers, batch_frames, encode, pack_hashes
+from rollout.protocol import MAX_ROUTING_KEY_CHARS, Headers, batch_frames, encode, pack_hashes
 from rollout.serving.coordinator.config import CoordinatorConfig
 from rollout.serving.coordinator.peers import ClientPeer, EnginePeer, Pending
 from rollout.serving.coordinator.routing import PREFIX_POLICIES, Router, affinity_key
@@ -61,7 +61,7 @@ class RequestPath:
     def on_submit(
         self, client: ClientPeer, fields: list, batch: dict[bytes, list] | None = None
     ) -> None:
-        crid, prompt, sp, num_tokens, stream = fields
+        crid, prompt, sp, num_tokens, stream, routing_key = fields
         problem = None
         if self.stopping():
             problem = "coordinator is stopping: request refused"
@@ -73,6 +73,8 @@ class RequestPath:
             problem = "empty prompt"
         elif type(prompt) is bytes and len(prompt) % 4:
             problem = f"packed prompt length {len(prompt)} is not a multiple of 4"
+        elif routing_key is not None and not 0 < len(routing_key) <= MAX_ROUTING_KEY_CHARS:
+            problem = f"routing_key must have 1 to {MAX_ROUTING_KEY_CHARS} characters"
         if problem is not None:
             self.counters["rejected"] += 1
             self.error(client.identity, Headers.SUBMIT_REQUEST, crid, problem)
@@ -96,6 +98,7 @@ class RequestPath:
             packed_hashes=pack_hashes(hashes) if hashes else b"",
             stream=stream,
             affinity=self._affinity(prompt, hashes),
+            routing_key=routing_key,
         )
         self.requests[rid] = p
         client.requests[crid] = rid
@@ -146,7 +149,7 @@ class RequestPath:
         p.deadline = None
         streamed = len(p.resume_tokens) // 4
         cost = p.prompt_len + streamed + max(0, p.num_tokens - streamed)
-        key, match = self.router.route(p.hashes, cost, p.affinity)
+        key, match = self.router.route(p.hashes, cost, p.affinity, p.routing_key)
         engine = self.engines[key]
         p.engine, p.reserved = key, cost
         p.dispatches += 1

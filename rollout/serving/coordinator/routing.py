@@ -17,6 +17,13 @@ group: `affinity_key` is a routing-only key of the whole prompt, kept in a secon
 and scored exactly like a full match (same alpha, same load spill). Its value never reaches an
 engine and is not a KV-cache key: the prefix cache cannot reuse a partial block, but a group kept
 on one engine still batches together there and replays deterministically.
+
+A request may carry a client's `routing_key` (a multi-turn episode's key): the first request of
+a key is routed by the policy, and every later one goes to the same engine while it lives, under
+every policy and with no load spill: the key's KV (its episode so far) is on that engine, and
+moving a turn would recompute it. Keys live in a bounded LRU table of their own; weight updates
+keep them (the next turn re-prefills under the new weights either way, and stays with its
+episode's other requests). A key whose engine left is routed afresh and follows its new engine.
 """
 
 from __future__ import annotations
@@ -90,6 +97,7 @@ class Router:
         self.table: OrderedDict[int, dict[Hashable, int]] = OrderedDict()
         # Routing-only affinity keys of prompts without a block hash; never KV-cache keys.
         self.affinity: OrderedDict[int, dict[Hashable, int]] = OrderedDict()
+        self.sessions: OrderedDict[str, Hashable] = OrderedDict()  # routing key -> its engine
 
     # ---- membership and load ------------------------------------------------------------
 
@@ -185,12 +193,17 @@ class Router:
     # ---- choice -------------------------------------------------------------------------
 
     def route(
-        self, hashes: Sequence[int] = (), cost: int = 0, affinity: int | None = None
+        self,
+        hashes: Sequence[int] = (),
+        cost: int = 0,
+        affinity: int | None = None,
+        routing_key: str | None = None,
     ) -> tuple[Hashable, float]:
         """Pick an engine, reserve `cost` tokens on it, remember its hashes; (key, match).
 
         `affinity` (see `affinity_key`) is used by prefix policies only when there is no block
-        hash: it then plays the part of a one-block prefix, with the same load spill."""
+        hash: it then plays the part of a one-block prefix, with the same load spill.
+        `routing_key`: the engine this key went to before, while it lives (module docstring)."""
         if not self._ordered:
             raise LookupError("no live engine to route to")
         self._clock += 1
@@ -198,7 +211,10 @@ class Router:
         if hashes or self.policy not in PREFIX_POLICIES:
             affinity = None
         match = 0.0
-        if self.policy == "round_robin":
+        owner = None if routing_key is None else self.sessions.get(routing_key)
+        if owner in self.slots:
+            slot, match = self.slots[owner], 1.0
+        elif self.policy == "round_robin":
             slot = self._ordered[self._rr % len(self._ordered)]
             self._rr += 1
         elif hashes:
@@ -214,7 +230,15 @@ class Router:
             self._record(slot.key, hashes)
         elif affinity is not None:
             self._record(slot.key, (affinity,), self.affinity)
+        if routing_key is not None:
+            self._remember_session(routing_key, slot.key)
         return slot.key, match
+
+    def _remember_session(self, routing_key: str, key: Hashable) -> None:
+        self.sessions.pop(routing_key, None)
+        self.sessions[routing_key] = key  # most recently used at the end
+        while len(self.sessions) > self.max_hash_entries:
+            self.sessions.popitem(last=False)
 
     def _least_loaded(self) -> EngineSlot:
         """argmin load; ties go to the least recently picked engine, so equal engines share work
