@@ -331,3 +331,14 @@ def test_episode_turns_stay_on_their_engine_at_dp2():
     for s in samples:
         assert not s.failed and len(s.turns) == 3
         assert [t.cached_tokens for t in s.turns] == [0, 8, 16]
+
+
+def test_kv_reuse_benchmark_runs_and_computes_fewer_tokens(tmp_path):
+    from benchmarks.multiturn_kv_reuse import main
+
+    result = main(quick=True, out_dir=tmp_path)
+    assert result["same_episodes"] and result["ratios"]["tokens_computed"] < 0.6
+    reuse = result["kv_reuse"]
+    assert reuse["tokens_reused"] == reuse["turn_cached_tokens"] > 0
+    assert (tmp_path / "multiturn_kv_reuse.json").exists()
+    assert (tmp_path / "multiturn_kv_reuse.png").exists()
