@@ -49,6 +49,7 @@ COVERED = {
     "python -m pytest -q": "test_test_sh_runs_pytest",
     "python -m recipes.grpo_reverse": "test_main_job_recipe",
     "python -m recipes.grpo_reverse_async": "test_async_recipe",
+    "python -m recipes.grpo_calculator": "test_calculator_recipe",
     "python -m recipes.grpo_reverse -m trainer.lr=1e-3,2e-3": "test_multirun",
     "pytest -m slow tests/test_recipes.py": "test_slow_recipe_selection",
     "rollout.dp=2": "test_more_engines",
@@ -211,6 +212,14 @@ def test_main_job_recipe(tmp_path):
 def test_async_recipe(tmp_path):
     saved = run_recipe(readme_command("test_async_recipe"), tmp_path / "run")
     assert saved["summary"]["mode"] == "async" and len(train_rows(saved)) == 2
+
+
+@pytest.mark.timeout(300)
+def test_calculator_recipe(tmp_path):
+    saved = run_recipe(readme_command("test_calculator_recipe"), tmp_path / "run")
+    rows = train_rows(saved)
+    assert saved["summary"]["recipe"] == "grpo_calculator" and len(rows) == 2
+    assert all("rollout/turns_per_episode" in r and "rollout/tool_calls" in r for r in rows)
 
 
 @pytest.mark.slow
