@@ -161,6 +161,30 @@ def test_calculator_recipe_runs_tool_episodes(tmp_path):
     assert final and "train/eval_sampled_tool_calls" in final[0]
 
 
+@pytest.mark.parametrize("recipe", [TINY_CALCULATOR, ["recipe=grpo_reverse", *TINY]],
+                         ids=["calculator", "reverse"])  # fmt: skip
+def test_dynamic_sampling_option(recipe, tmp_path):
+    """`rollout.dynamic_sampling=true rollout.max_extra_groups=2`: flat groups are dropped and
+    replaced within the bound; the batch keeps its size; the counts are logged per step."""
+    cfg = compose([*recipe, "rollout.dynamic_sampling=true", "rollout.max_extra_groups=2",
+                   "logger=disabled", f"logger.dir={tmp_path}"])  # fmt: skip
+    run_recipe(cfg)
+    rows = [r for r in json.loads((tmp_path / "metrics.json").read_text())["history"]
+            if "train/loss" in r]  # fmt: skip
+    assert len(rows) == 3
+    for row in rows:
+        kept, filled = row["rollout/dynamic_sampling/kept"], row["rollout/dynamic_sampling/filled"]
+        assert kept + filled == cfg.rollout.prompts_per_step
+        assert row["rollout/dynamic_sampling/dropped"] <= 2
+        assert (
+            row["rollout/dynamic_sampling/oversampled"] == row["rollout/dynamic_sampling/dropped"]
+        )
+        assert (
+            row["rollout/rl/samples"]
+            == cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+        )
+
+
 def docstring_commands(module: str) -> list[str]:
     """The `python -m module ...` lines of a recipe module's docstring."""
     doc = importlib.import_module(module).__doc__ or ""
