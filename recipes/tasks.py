@@ -208,12 +208,13 @@ class AddTask(Task):
         self.max_answer_chars = max_digits + 1
 
     def make_example(self, rng: random.Random) -> TaskExample:
-        a, b = (self._number(rng) for _ in range(2))
+        a, b = (number_with(rng, rng.randint(1, self.max_digits)) for _ in range(2))
         return TaskExample(prompt=f"{a}+{b}=", answer=str(a + b))
 
-    def _number(self, rng: random.Random) -> int:
-        digits = rng.randint(1, self.max_digits)
-        return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
+
+def number_with(rng: random.Random, digits: int) -> int:
+    """A uniform non-negative integer with exactly `digits` digits (0 counts as one digit)."""
+    return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
 
 
 TASKS: dict[str, type[Task]] = {"reverse": ReverseTask, "add": AddTask}
@@ -221,10 +222,15 @@ TASKS: dict[str, type[Task]] = {"reverse": ReverseTask, "add": AddTask}
 
 def get_task(name: str, **kwargs: Any) -> Task:
     """Build a registered task by name; unknown names or arguments raise ValueError."""
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; available: {sorted(TASKS)}")
+    return task_from(TASKS, name, kwargs)
+
+
+def task_from(registry: dict[str, type[Task]], name: str, kwargs: dict[str, Any]) -> Task:
+    """`registry[name](**kwargs)`; unknown names or arguments raise ValueError."""
+    if name not in registry:
+        raise ValueError(f"unknown task {name!r}; available: {sorted(registry)}")
     try:
-        return TASKS[name](**kwargs)
+        return registry[name](**kwargs)
     except TypeError as e:  # unexpected keyword
         raise ValueError(f"bad arguments for task {name!r}: {e}") from e
 

@@ -22,7 +22,7 @@ import operator
 import random
 from typing import Any
 
-from recipes.tasks import Task, TaskExample, Tokenizer, _check_int
+from recipes.tasks import Task, TaskExample, Tokenizer, _check_int, number_with, task_from
 from rollout.rl.environment import EnvFactory
 from rollout.rl.tools import ToolCallSyntax, ToolEnvironment
 
@@ -100,8 +100,8 @@ class CalculatorTask(Task):
         self.max_answer_chars = max_digits + multiplier_digits
 
     def make_example(self, rng: random.Random) -> TaskExample:
-        a = _number(rng, rng.randint(self.min_digits, self.max_digits))
-        b = _number(rng, self.multiplier_digits)
+        a = number_with(rng, rng.randint(self.min_digits, self.max_digits))
+        b = number_with(rng, self.multiplier_digits)
         return TaskExample(prompt=f"{a}*{b}=", answer=str(a * b))
 
     # -- episodes ---------------------------------------------------------------------------------
@@ -150,18 +150,9 @@ class CalculatorTask(Task):
         return ids, [True] * len(call) + [False] * len(observation) + [True] * len(answer)
 
 
-def _number(rng: random.Random, digits: int) -> int:
-    return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
-
-
 TASKS: dict[str, type[Task]] = {"calculator": CalculatorTask}
 
 
 def get_task(name: str, **kwargs: Any) -> Task:
     """Build a registered tool task by name; unknown names or arguments raise ValueError."""
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; available: {sorted(TASKS)}")
-    try:
-        return TASKS[name](**kwargs)
-    except TypeError as e:  # unexpected keyword
-        raise ValueError(f"bad arguments for task {name!r}: {e}") from e
+    return task_from(TASKS, name, kwargs)
