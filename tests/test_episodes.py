@@ -120,10 +120,12 @@ class Faulty(Scripted):
             await asyncio.Event().wait()
         if mode == "vocab":
             return EnvStep(observation=[10**6])
+        if mode == "info":
+            return EnvStep(observation=[1], info={"tool_calls": "one"})  # type: ignore[dict-item]
         return await super().step(turn)
 
 
-@pytest.mark.parametrize("fault", ["raise", "garbage", "hang", "vocab"])
+@pytest.mark.parametrize("fault", ["raise", "garbage", "hang", "vocab", "info"])
 def test_a_failing_environment_fails_its_episode_alone(model, fault):
     items = [dict(ex, fault=None) for ex in _examples(3)]
     items[1]["fault"] = fault
@@ -133,7 +135,7 @@ def test_a_failing_environment_fails_its_episode_alone(model, fault):
     bad = [s for s in samples if s.metadata["fault"]]
     good = [s for s in samples if not s.metadata["fault"]]
     assert len(bad) == 1 and bad[0].failed and bad[0].reward == 0.0
-    assert {"raise": "tool crashed", "garbage": "token ids", "hang": "exceeded", "vocab": "turn 1"}[fault] in bad[0].error  # fmt: skip
+    assert {"raise": "tool crashed", "garbage": "token ids", "hang": "exceeded", "vocab": "turn 1", "info": "EnvStep.info"}[fault] in bad[0].error  # fmt: skip
     assert all(not s.failed and s.reward == 3.0 for s in good)
     assert stats["rollout/episodes_failed"] == 1
 

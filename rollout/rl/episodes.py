@@ -178,10 +178,7 @@ class EpisodeRunner:
             generated = list(req.generated_tokens)
             context += generated
             turn.answer = answer = await self._env_call(env.step(generated))
-            if not isinstance(answer, EnvStep):
-                raise TypeError(
-                    f"Environment.step must return EnvStep, got {type(answer).__name__}"
-                )
+            _check_answer(answer)
             obs = _token_ids("step observation", answer.observation)
             if answer.done:
                 record.finish_reason = "done"
@@ -203,6 +200,19 @@ class EpisodeRunner:
     async def _close_env(self, env: Any) -> None:
         with contextlib.suppress(Exception):  # closing is best effort; the episode is decided
             await asyncio.wait_for(env.close(), self.limits.env_timeout_s)
+
+
+def _check_answer(answer: Any) -> None:
+    """An EnvStep whose reward and info are numbers (they are summed at hand-out)."""
+    if not isinstance(answer, EnvStep):
+        raise TypeError(f"Environment.step must return EnvStep, got {type(answer).__name__}")
+    if isinstance(answer.reward, bool) or not isinstance(answer.reward, (int, float)):
+        raise TypeError(f"EnvStep.reward must be a number, got {answer.reward!r:.80}")
+    info = answer.info
+    if not isinstance(info, dict) or not all(
+        isinstance(k, str) and isinstance(v, (int, float)) for k, v in info.items()
+    ):
+        raise TypeError(f"EnvStep.info must map str to numbers, got {info!r:.200}")
 
 
 def _token_ids(what: str, ids: Any) -> list[int]:
