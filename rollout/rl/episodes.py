@@ -177,8 +177,9 @@ class EpisodeRunner:
             record.turns.append(turn)
             generated = list(req.generated_tokens)
             context += generated
-            turn.answer = answer = await self._env_call(env.step(generated))
+            answer = await self._env_call(env.step(generated))
             _check_answer(answer)
+            turn.answer = answer
             obs = _token_ids("step observation", answer.observation)
             if answer.done:
                 record.finish_reason = "done"
