@@ -32,7 +32,9 @@ Message catalogue (C = client, Co = coordinator, E = engine); `SCHEMA` is author
     ABORT_REQUEST      C->Co, Co->E   [id]
     PAUSE/UNPAUSE/RESUME/STOP  C->Co->E  [control_id]
     SUSPEND            C->Co->E  [control_id, mode]
-    SET_WEIGHT_VERSION C->Co->E  [control_id, version]
+    SET_WEIGHT_VERSION C->Co->E  [control_id, version, rendezvous({host, port, timeout_s} | None)]
+                               (rendezvous: where the trainer's weight-sync store listens; an
+                               engine started without one joins the sync group from it)
     CONTROL_ACK        E->Co, Co->C   [control_id, signal, info(dict)]
     ERROR              Co->C/E  [ref_header | None, ref_id | None, message]
     HEARTBEAT          any      [load(dict)]   (engines publish waiting/running/kv_usage/outstanding_tokens)
@@ -131,6 +133,7 @@ NUM = (int, float)
 OPT_INT = (int, type(None))
 OPT_STR = (str, type(None))
 OPT_BYTES = (bytes, type(None))
+OPT_DICT = (dict, type(None))
 PROMPT = (str, bytes)
 
 _CONTROL = (("control_id", INT),)
@@ -194,7 +197,7 @@ SCHEMA: dict[Headers, tuple[tuple[str, Any], ...]] = {
     Headers.SUSPEND: (("control_id", INT), ("mode", STR)),
     Headers.RESUME: _CONTROL,
     Headers.STOP: _CONTROL,
-    Headers.SET_WEIGHT_VERSION: (("control_id", INT), ("version", INT)),
+    Headers.SET_WEIGHT_VERSION: (("control_id", INT), ("version", INT), ("rendezvous", OPT_DICT)),
     Headers.CONTROL_ACK: (("control_id", INT), ("signal", INT), ("info", DICT)),
     Headers.ERROR: (("ref_header", OPT_INT), ("ref_id", OPT_INT), ("message", STR)),
     Headers.HEARTBEAT: (("load", DICT),),

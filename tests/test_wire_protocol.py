@@ -35,6 +35,7 @@ _EXAMPLE = {
     (int, type(None)): None,
     (str, type(None)): "tok",
     (bytes, type(None)): None,
+    (dict, type(None)): {"host": "10.0.0.1", "port": 29500, "timeout_s": 60.0},
     (str, bytes): pack_tokens([1, 2, 3]),
 }
 
@@ -111,7 +112,7 @@ def test_wrong_type_names_header_and_field(fields, match):
 @pytest.mark.parametrize(
     "args, match",
     [
-        ((Headers.SET_WEIGHT_VERSION, 1, "v2"), "SET_WEIGHT_VERSION: field 'version' must be int"),
+        ((Headers.SET_WEIGHT_VERSION, 1, "v2", None), "SET_WEIGHT_VERSION: field 'version' must be int"),
         ((12345,), "unknown header"),
     ],
     ids=["version-str", "unknown-header"],

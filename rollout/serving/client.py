@@ -375,8 +375,11 @@ class InferenceClient:
     def stop_engines(self) -> asyncio.Future:
         return self._control(Headers.STOP)
 
-    def set_weight_version(self, version: int) -> asyncio.Future:
-        return self._control(Headers.SET_WEIGHT_VERSION, int(version))
+    def set_weight_version(self, version: int, rendezvous: dict | None = None) -> asyncio.Future:
+        """Announce `version`; with `rendezvous` ({host, port, timeout_s}: the trainer's
+        weight-sync store) every engine receives the weights from the trainer, engines that
+        joined from other hosts included."""
+        return self._control(Headers.SET_WEIGHT_VERSION, int(version), rendezvous)
 
     def stats(self) -> asyncio.Future:
         """The coordinator's counters, state and per-engine load."""

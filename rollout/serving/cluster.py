@@ -295,7 +295,10 @@ class EngineCluster:
         on_bucket: Any,
     ) -> dict[int, dict]:
         def announce() -> concurrent.futures.Future:
-            return self.loop.submit(self._control(lambda: self.client.set_weight_version(version)))
+            rendezvous = self.sync.rendezvous()
+            return self.loop.submit(
+                self._control(lambda: self.client.set_weight_version(version, rendezvous))
+            )
 
         infos, transport, seconds = self.sync.transfer(sd, version, members, on_bucket, announce)
         ranks = {r for r, _ in members}

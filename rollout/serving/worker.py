@@ -317,7 +317,7 @@ class EngineWorker:
             if self.suspended is not None:
                 self.engine.resume()
                 self.suspended = None
-        elif header is Headers.SET_WEIGHT_VERSION and self.sync is not None:
+        elif header is Headers.SET_WEIGHT_VERSION and self._join_sync(fields[2]):
             info = self._receive_weights(fields[1])
             self.weight_version = self.engine.weight_version
         elif header is Headers.SET_WEIGHT_VERSION:
@@ -327,6 +327,19 @@ class EngineWorker:
             self.running = False
         self.counters["acks"] += 1
         self._send(Headers.CONTROL_ACK, seq, int(header), info)
+
+    def _join_sync(self, rendezvous: dict | None) -> bool:
+        """True when this engine takes part in weight sync: started with it, or joining now
+        from the rendezvous the trainer published (an engine started on another host)."""
+        if self.sync is None and rendezvous is not None:
+            host, port = rendezvous.get("host"), rendezvous.get("port")
+            if not isinstance(host, str) or type(port) is not int:
+                log.warning("ignoring a malformed weight-sync rendezvous: %r", rendezvous)
+                return False
+            timeout = rendezvous.get("timeout_s", 300.0)
+            info = {"host": host, "port": port, "rank": self.rank, "timeout_s": timeout}
+            self.sync = EngineWeightSync(self.engine, info)
+        return self.sync is not None
 
     def _receive_weights(self, version: int) -> dict:
         """Take part in the trainer's broadcast of `version` (blocking this loop: no step runs

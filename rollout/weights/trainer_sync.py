@@ -49,13 +49,15 @@ class TrainerWeightSync:
         timeout_s: float,
         transport: str = "auto",
         engine_device: torch.device | None = None,
+        host: str = LOOPBACK,
     ) -> None:
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.transport = transport
         self.engine_device = _indexed(engine_device or torch.device("cpu"))
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
-        self.store = open_store(LOOPBACK, 0, timeout_s)  # loopback only: the store has no auth
+        self.host = host  # the store has no auth: loopback unless the user names an interface
+        self.store = open_store(host, 0, timeout_s)
         self.generation = 0
         self.generation_backend: str | None = None
         self.members: list[tuple[int, int]] = []
@@ -134,8 +136,12 @@ class TrainerWeightSync:
         return infos, time.perf_counter() - t0
 
     def worker_info(self, rank: int) -> dict[str, Any]:
-        return {"host": LOOPBACK, "port": self.store.port, "rank": rank,
-                "timeout_s": self.timeout_s}  # fmt: skip
+        return {**self.rendezvous(), "rank": rank}
+
+    def rendezvous(self) -> dict[str, Any]:
+        """Where engines find this store: sent with every SET_WEIGHT_VERSION, so an engine
+        that joined from another host becomes a member of the next update."""
+        return {"host": self.host, "port": self.store.port, "timeout_s": self.timeout_s}
 
     def prepare(self, members: list[tuple[int, int]], backend: str) -> None:
         """Announce this update's (rank, pid) members and backend: the same generation again, or
