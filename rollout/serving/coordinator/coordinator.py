@@ -85,6 +85,9 @@ class DataParallelInferenceCoordinator:
         # The version label: the last SET_WEIGHT_VERSION, else the first engine's. Label-only
         # engines adopt it when they register (a relabel they missed while frozen included).
         self.weight_version: int | None = None
+        # True once a trainer pushes weights (a SET_WEIGHT_VERSION with a rendezvous): engines
+        # that register with another version are held out of routing until they have them.
+        self.weights_managed = False
         self.engines: dict[bytes, EnginePeer] = {}
         self.clients: dict[bytes, ClientPeer] = {}
         self.requests: dict[int, Pending] = {}
@@ -352,7 +355,11 @@ class DataParallelInferenceCoordinator:
         engine = EnginePeer(identity, self._next_peer, rank, capacity, version, block_size, 0.0)
         engine.last_seen = time.monotonic()
         self.engines[identity] = engine
-        self.router.add_engine(identity, rank)
+        engine.syncing = self.weights_managed and version != self.weight_version
+        if engine.syncing:
+            self.counters["engines_held_for_weights"] += 1
+        else:
+            self.router.add_engine(identity, rank)
         if self.request_path.block_size is None:
             self.request_path.block_size = block_size
         if self.weight_version is None:
@@ -366,9 +373,19 @@ class DataParallelInferenceCoordinator:
             self.weight_version,
             self.config.max_frame_bytes,
         )
-        if self._send_engine(engine, ack):
-            for p in list(self.orphans.values()):
-                self.request_path.dispatch(p)
+        if self._send_engine(engine, ack) and not engine.syncing:
+            self._dispatch_orphans()
+
+    def _dispatch_orphans(self) -> None:
+        for p in list(self.orphans.values()):
+            self.request_path.dispatch(p)
+
+    def _admit_synced(self, engine: EnginePeer) -> None:
+        """A held engine now has the current weights: it takes work from here on."""
+        engine.syncing = False
+        self.router.add_engine(engine.identity, engine.rank)
+        self.counters["engines_admitted_after_sync"] += 1
+        self._dispatch_orphans()
 
     # ---- control ------------------------------------------------------------------------
 
@@ -392,6 +409,7 @@ class DataParallelInferenceCoordinator:
         self.counters["controls"] += 1
         if header is Headers.SET_WEIGHT_VERSION:
             self.weight_version = fields[1]
+            self.weights_managed = self.weights_managed or fields[2] is not None
             self.router.reset_hashes()
         self._next_control += 1
         seq = self._next_control
@@ -419,6 +437,8 @@ class DataParallelInferenceCoordinator:
         if pc.signal is Headers.SET_WEIGHT_VERSION:
             v = info.get("weight_version")
             engine.weight_version = v if type(v) is int else engine.weight_version
+            if engine.syncing and v == self.weight_version and engine.identity in self.engines:
+                self._admit_synced(engine)
         elif pc.signal is Headers.STOP:
             engine.stopped = True
         self._maybe_finish_control(seq)
@@ -471,8 +491,9 @@ class DataParallelInferenceCoordinator:
                 "weight_version": e.weight_version,
                 "assigned": len(e.requests),
                 "aborting": len(e.aborting),
-                "outstanding_tokens": self.router.load(e.identity),
+                "outstanding_tokens": 0 if e.syncing else self.router.load(e.identity),
                 "stopped": e.stopped,
+                "syncing": e.syncing,
                 "load": e.load,
             }
         return {

@@ -19,6 +19,9 @@ class EnginePeer:
     load: dict = field(default_factory=dict)
     requests: set[int] = field(default_factory=set)
     stopped: bool = False
+    # Joined with other weights than the trainer's current version: it takes no work until it
+    # acks a SET_WEIGHT_VERSION of the current version (the trainer's next update reaches it).
+    syncing: bool = False
     # Requests we aborted here and forgot, until the engine's final reply for each comes back:
     # until then its heartbeats may predate the abort, so their load is not published.
     aborting: set[int] = field(default_factory=set)
