@@ -78,6 +78,9 @@ log = logging.getLogger(__name__)
 __all__ = ["RolloutManager", "RolloutManagerConfig"]
 
 MODES = ("colocated", "async")
+# EngineCluster options that mean something when attaching (the rest configure spawned engines)
+_ATTACH_OPTIONS = ("auth_token", "weight_sync_host", "bucket_bytes", "ready_timeout_s",
+                   "sync_timeout_s", "worker_options", "on_event")  # fmt: skip
 STALE_POLICIES = ("drop", "regenerate")
 RewardFn = Callable[[Sample], Any]
 
@@ -99,6 +102,9 @@ class RolloutManagerConfig:
     initial_version: int = 0
     collect_timeout_s: float = 3600.0
     dp: int = 1  # engines: 1 = one in-process engine, > 1 = engine processes (EngineCluster)
+    # "tcp://HOST:PORT": attach to a running coordinator and the engines that joined it (any
+    # host) instead of starting engines; `dp` is then how many must have joined to start
+    coordinator_address: str | None = None
     max_turns: int = 8  # episodes: model turns
     max_episode_tokens: int | None = None  # episodes: all tokens; None = the engine's limit
     env_timeout_s: float = 60.0  # episodes: one Environment.reset/step call
@@ -153,7 +159,9 @@ class RolloutManager:
         base = config if config is not None else RolloutManagerConfig()
         self.config = dataclasses.replace(base, **overrides) if overrides else base
         self._owns_engine = engine is None
-        if engine is None and self.config.dp > 1:
+        if engine is None and self.config.coordinator_address is not None:
+            engine = self._attach(tokenizer, cluster_options)
+        elif engine is None and self.config.dp > 1:
             engine = self._start_cluster(model, tokenizer, inference_config, cluster_options)
         elif cluster_options:
             raise ValueError("cluster_options only apply with dp > 1")
@@ -220,6 +228,13 @@ class RolloutManager:
             opts["inference_config"] = icfg
         cluster = EngineCluster(self.config.dp, model, tokenizer=tokenizer, **opts)
         cluster.factory_kwargs["weight_version"] = self.config.initial_version
+        return ClusterEngine(cluster.start())
+
+    def _attach(self, tokenizer: Any, options: Any) -> ClusterEngine:
+        """Engines that run elsewhere, behind the coordinator at `coordinator_address`."""
+        opts = {k: v for k, v in dict(options or {}).items() if k in _ATTACH_OPTIONS}
+        cluster = EngineCluster(self.config.dp, None, tokenizer=tokenizer,
+                                attach=self.config.coordinator_address, **opts)  # fmt: skip
         return ClusterEngine(cluster.start())
 
     # ------------------------------------------------------------------ public API

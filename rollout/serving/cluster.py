@@ -57,6 +57,14 @@ class EngineCluster:
     buckets: same host, see rollout.weights.ipc) or "auto" (ipc for updates whose tensors sit on
     the engines' CUDA device, broadcast otherwise). `on_event(kind, rank, details)` hears of engine exits, restarts and give-ups (called on the supervisor thread).
     `worker_options` are extra EngineWorker kwargs (e.g. coordinator_timeout_s).
+
+    `attach="tcp://HOST:PORT"`: join a running coordinator (`rollout serve`, engines started
+    with `rollout engine` on any host) instead of spawning one: nothing is spawned or supervised
+    here (engine hosts restart their own engines), `num_engines` is how many must have
+    registered before `start()` returns, and `close()` leaves the service running. Weights go
+    out by broadcast from a rendezvous store bound to `weight_sync_host` (the interface the
+    engines reach this process on; loopback by default), announced with every update; an engine
+    that joins later takes no work until the next update has brought it the current weights.
     """
 
     def __init__(
@@ -83,6 +91,8 @@ class EngineCluster:
         weights_snapshot: str = "memory",
         on_event: Event | None = None,
         worker_options: Mapping[str, Any] | None = None,
+        attach: str | None = None,
+        weight_sync_host: str = "127.0.0.1",
     ) -> None:
         if isinstance(num_engines, bool) or not isinstance(num_engines, int) or num_engines < 1:
             raise ValueError(f"num_engines must be an int >= 1, got {num_engines!r}")
@@ -90,12 +100,19 @@ class EngineCluster:
             raise ValueError(f"weight_sync_transport must be one of {TRANSPORTS}, "
                              f"got {weight_sync_transport!r}")  # fmt: skip
         self.num_engines = num_engines
+        self.attached = attach
+        self.weight_sync_host = weight_sync_host
+        if attach is not None:  # engines on other hosts: no shared memory to hand over
+            weight_sync_transport, weights_snapshot = "broadcast", "memory"
+            restart = {"max_restarts": 0}
         self.weight_sync_transport = weight_sync_transport
         self.auth_token = auth_token
         self.ready_timeout_s = ready_timeout_s
         self.sync_timeout_s = sync_timeout_s
         self._tmpdir: Path | None = None
-        self.factory_kwargs = model_source_kwargs(model, seed, model_config, tokenizer, self._tmp)
+        self.factory_kwargs = (
+            {} if attach else model_source_kwargs(model, seed, model_config, tokenizer, self._tmp)
+        )
         self.factory_kwargs.update(_icfg_dict(inference_config))
         for k, v in (("device", device), ("dtype", dtype)):
             if v is not None or k not in self.factory_kwargs:
@@ -134,8 +151,12 @@ class EngineCluster:
         """Coordinator, engines, wait until all registered, connect the client. On any failure
         everything started so far is torn down before the error propagates."""
         try:
-            self.start_coordinator()
-            self.start_engines()
+            if self.attached is None:
+                self.start_coordinator()
+                self.start_engines()
+            else:
+                self.address = self.attached
+                self.sync = self._trainer_sync() if self.weight_sync else None
             self.wait_ready()
         except BaseException:
             self.close()
@@ -148,11 +169,14 @@ class EngineCluster:
         )
         return self.address
 
+    def _trainer_sync(self) -> TrainerWeightSync:
+        device = torch.device(self.factory_kwargs.get("device") or "cpu")
+        return TrainerWeightSync(self.bucket_bytes, self.sync_timeout_s, self.weight_sync_transport,
+                                 device, host=self.weight_sync_host)  # fmt: skip
+
     def start_engines(self) -> list[mp.Process]:
         if self.weight_sync:
-            device = torch.device(self.factory_kwargs.get("device") or "cpu")
-            self.sync = TrainerWeightSync(self.bucket_bytes, self.sync_timeout_s,
-                                          self.weight_sync_transport, device)  # fmt: skip
+            self.sync = self._trainer_sync()
         for rank in range(self.num_engines):
             self.engine_processes.append(self._spawn_engine(rank, self.factory_kwargs))
         return self.engine_processes
@@ -220,8 +244,12 @@ class EngineCluster:
             dead = [p for p in self.processes if not p.is_alive()]
             if dead:
                 raise RuntimeError(f"{dead[0].name} exited with code {dead[0].exitcode}")
-            if len(self.stats()["engines"]) >= self.num_engines:
-                self.supervise()
+            stats = self.stats()
+            if len(stats["engines"]) >= self.num_engines:
+                if self.attached is None:
+                    self.supervise()
+                else:  # the service's version is where this trainer's updates continue from
+                    self.factory_kwargs["weight_version"] = int(stats["weight_version"] or 0)
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"engines not registered within {self.ready_timeout_s}s")
@@ -281,8 +309,12 @@ class EngineCluster:
 
     def _serving_engines(self) -> list[tuple[int, int]]:
         """(rank, pid) of each engine whose process is alive and registered with the
-        coordinator: a restarted engine is a new member even under its old rank."""
+        coordinator: a restarted engine is a new member even under its old rank. Attached:
+        (rank, the coordinator's engine id) of each registered engine, wherever it runs."""
         engines = self.stats()["engines"]
+        if self.attached is not None:
+            return sorted((int(r), int(e["engine_id"])) for r, e in engines.items()
+                          if not e["stopped"])  # fmt: skip
         procs = [(int(r), self.engine_processes[int(r)]) for r, e in engines.items()
                  if not e["stopped"]]  # fmt: skip
         return sorted((r, p.pid) for r, p in procs if p.is_alive())
@@ -334,7 +366,10 @@ class EngineCluster:
         atexit.unregister(self._atexit)
         if self.supervisor is not None:
             self.supervisor.stop(timeout_s)
-        if self.client is not None and self.loop.running:
+        if self.client is not None and self.loop.running and self.attached is not None:
+            with contextlib.suppress(Exception):  # the service is not ours: leave it running
+                self.call(lambda: self.client.stop(), timeout_s / 2)
+        elif self.client is not None and self.loop.running:
             with contextlib.suppress(Exception):  # best effort: the processes are joined below
                 self.call(lambda: self.client.pause_engines(), timeout_s / 2)
                 self.call(lambda: self.client.stop_engines(), timeout_s / 2)

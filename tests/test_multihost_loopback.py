@@ -1,0 +1,137 @@
+"""A RolloutManager attached to engines it did not start (`rollout serve` plus a `rollout engine`
+that joins it, as on another host), on loopback: every engine serves the trainer's weights at
+every version (checksums in the update acks and greedy decodes against the no-cache reference),
+an engine that dies leaves the sync group and later updates complete on the rest, and an engine
+that comes back takes no work until an update has brought it the current weights."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from reference import greedy
+
+from rollout.models import build_model
+from rollout.models.config import ModelConfig
+from rollout.rl.manager import RolloutManager
+from rollout.sampling import SamplingParams
+from rollout.weights.state import state_dict_checksum
+
+pytestmark = pytest.mark.timeout(240)
+
+CMD = [sys.executable, "-m", "rollout.cli"]
+PROMPTS = [[256, 10 + i, 20, 30, 40, 50] for i in range(6)]
+
+
+def _read_until(proc: subprocess.Popen, marker: str, timeout: float = 90) -> str:
+    deadline, seen = time.monotonic() + timeout, []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if marker in line:
+            return line
+    raise AssertionError(f"no line with {marker!r} in:\n{''.join(seen)}")
+
+
+def _engine(address: str, rank: int, env: dict) -> subprocess.Popen:
+    proc = subprocess.Popen([*CMD, "engine", "--coordinator", address, "--rank", str(rank),
+                             "--model", "tiny"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env)  # fmt: skip
+    _read_until(proc, f"engine {rank} pid")
+    return proc
+
+
+def _weights(version: int) -> dict[str, torch.Tensor]:
+    """The trainer's weights at `version`: the tiny preset's (seed 0, what `--model tiny`
+    loads) plus a version-specific perturbation."""
+    base = build_model(ModelConfig.preset("tiny", vocab_size=259), seed=0).state_dict()
+    g = torch.Generator().manual_seed(version)
+    return {k: v + 0.05 * version * torch.randn(v.shape, generator=g) for k, v in base.items()}
+
+
+def _trainer(version: int) -> torch.nn.Module:
+    model = build_model(ModelConfig.preset("tiny", vocab_size=259), seed=0).eval()
+    model.load_state_dict(_weights(version))
+    return model
+
+
+def _reference(version: int) -> list[list[int]]:
+    return [greedy(_trainer(version), p, 6) for p in PROMPTS]
+
+
+def _wait(fn, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not fn():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)  # polling the coordinator's view of its engines, bounded
+
+
+def test_manager_attached_to_joined_engines(tmp_path):
+    secret = tmp_path / "token"
+    secret.write_text("s3\n")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ROLLOUT_AUTH_TOKEN": "s3"}
+    serve = subprocess.Popen([*CMD, "serve", "--model", "tiny", "--dp", "1",
+                              "--auth-token-file", str(secret)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+    procs = [serve]
+    sp = SamplingParams(temperature=0.0, num_tokens_to_generate=6, ignore_eos=True)
+    try:
+        address = _read_until(serve, "coordinator tcp://").split()[1]
+        procs.append(_engine(address, 1, env))
+        manager = RolloutManager(coordinator_address=address, dp=2,
+                                 cluster_options={"auth_token": "s3", "sync_timeout_s": 20.0})  # fmt: skip
+        with manager:
+            cluster = manager.engine.cluster
+
+            def engines() -> dict:
+                return cluster.stats()["engines"]
+
+            assert [s.completion_tokens for s in manager.generate(PROMPTS, sampling_params=sp)] == _reference(0)  # fmt: skip
+            for version in (1, 2):
+                manager.update_weights(_weights(version), version)
+                acks = manager.engine.last_sync
+                assert sorted(acks) == [0, 1]
+                assert {a["checksum"] for a in acks.values()} == {state_dict_checksum(_trainer(version))}  # fmt: skip
+                got = manager.generate(PROMPTS * 2, sampling_params=sp)  # both engines serve
+                assert [s.completion_tokens for s in got] == _reference(version) * 2
+                assert all(s.weight_versions == [version] for s in got)
+
+            procs[1].send_signal(signal.SIGKILL)  # an engine host dies
+            procs[1].wait(30)
+            _wait(lambda: sorted(engines()) == [0], 30, "the coordinator dropping the dead engine")
+            manager.update_weights(_weights(3), 3)  # the group re-forms without it
+            assert sorted(manager.engine.last_sync) == [0]
+            got = manager.generate(PROMPTS, sampling_params=sp)
+            assert [s.completion_tokens for s in got] == _reference(3)
+
+            procs.append(_engine(address, 1, env))  # the host comes back with its initial weights
+            _wait(lambda: 1 in engines(), 60, "the returning engine registering")
+            assert engines()[1]["syncing"]  # held: it serves version 0, the trainer is at 3
+            got = manager.generate(PROMPTS * 2, sampling_params=sp)
+            assert [s.completion_tokens for s in got] == _reference(3) * 2  # none went to it
+            assert engines()[1]["assigned"] == 0
+            manager.update_weights(_weights(4), 4)  # its first update: it is caught up
+            acks = manager.engine.last_sync
+            assert sorted(acks) == [0, 1] and acks[1]["weight_version"] == 4
+            assert {a["checksum"] for a in acks.values()} == {state_dict_checksum(_trainer(4))}
+            assert not engines()[1]["syncing"]
+            got = manager.generate(PROMPTS * 3, sampling_params=sp)
+            assert [s.completion_tokens for s in got] == _reference(4) * 3
+        # closing the attached manager leaves the service running
+        assert serve.poll() is None and procs[2].poll() is None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
