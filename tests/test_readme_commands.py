@@ -58,6 +58,7 @@ COVERED = {
     "rollout serve --model DIR|tiny --dp N [--port P] [--policy NAME]": "test_serve_synopsis",
     "rollout serve --model DIR --host 0.0.0.0": "test_serve_with_remote_engine",
     "rollout engine --coordinator tcp://HOST:PORT --rank R --model DIR --auth-token-file FILE": "test_serve_with_remote_engine",
+    "python -m recipes.grpo_reverse rollout.coordinator_address=tcp://HOST:PORT rollout.dp=2 coordinator.token_file=FILE coordinator.weight_sync_host=TRAINER_ADDR": "test_serve_with_remote_engine",
     "python -m recipes.grpo_reverse -m hydra/launcher=submitit_slurm trainer.lr=1e-3,3e-3": "test_slurm_sweep_row",
     "ROLLOUT_HTTP_TOKEN=secret rollout serve --model DIR --http-port 8000": "test_http_section",
     """curl -s http://127.0.0.1:8000/v1/completions -H "Authorization: Bearer secret" -H "Content-Type: application/json" -d '{"model": "DIR", "prompt": "Hello", "max_tokens": 8, "seed": 0, "logprobs": 1}'""": "test_http_section",
@@ -73,6 +74,7 @@ SNIPPETS = {
 NOT_RUN = {
     "pip install hydra-submitit-launcher": "installs a package from the network",
     "rollout serve": "the command's name in prose; its synopsis and real runs are covered above",
+    "rollout engine": "the command's name in prose; its real run is covered above",
     "bash scripts/fetch_gpu_wheels.sh": "downloads wheels from the network",
     "bash scripts/gpu_check.sh": "runs on the GPU machine; its CPU mode is tests/test_gpu_check.py",
     "python scripts/gpu_check.py --device cpu": "tests/test_gpu_check.py runs it (~30 s; not twice)",
@@ -418,8 +420,10 @@ async def serve_requests(address: str, token: str | None, engines: int) -> int:
 
 @pytest.mark.timeout(180)
 def test_serve_with_remote_engine(tmp_path):
-    """The "several machines" row on one machine: serve, then an engine joins from another
-    process with the shared secret; requests are served by both; SIGTERM stops everything."""
+    """The "Several machines" walkthrough on one machine: serve, then an engine joins from
+    another process with the shared secret; requests are served by both; the trainer attaches
+    to both and trains (its weights pushed to them); the service outlives it; SIGTERM stops
+    everything."""
     secret = tmp_path / "secret"
     secret.write_text("readme-secret\n")
     secret.chmod(0o600)
@@ -438,6 +442,13 @@ def test_serve_with_remote_engine(tmp_path):
                                    **{"HOST:PORT": host_port, **subs})  # fmt: skip
         with Proc(engine_argv, env) as engine:
             engine.read_until(r"engine 1 pid \d+ -> tcp://")
+            assert asyncio.run(serve_requests(f"tcp://{host_port}", token, engines=2)) == 24
+            # the trainer attaches to both engines and trains through them
+            trainer = readme_command("test_serve_with_remote_engine", "python -m recipes")
+            saved = run_recipe(trainer, tmp_path / "trainer",
+                               **{"HOST:PORT": host_port, "TRAINER_ADDR": "127.0.0.1", **subs})  # fmt: skip
+            assert len(train_rows(saved)) == 2 and saved["summary"]["final_version"] == 3
+            assert saved["config"]["rollout"]["coordinator_address"] == f"tcp://{host_port}"
             assert asyncio.run(serve_requests(f"tcp://{host_port}", token, engines=2)) == 24
             assert serve.stop() == 0
             assert engine.p.wait(60) == 0, "the remote engine exits when its coordinator stops"

@@ -162,6 +162,8 @@ def build_manager(
         tokenizer = tokenizer if tokenizer is not None else built_tok
     elif tokenizer is None:
         tokenizer = build_tokenizer(run)
+    if run.rollout.coordinator_address is not None:
+        return attached_manager(run, model, tokenizer, **changes)
     if run.rollout.dp > 1:
         return RolloutManager(
             manager_config(run, dp=run.rollout.dp, **changes), model=model, tokenizer=tokenizer,
@@ -171,6 +173,27 @@ def build_manager(
         manager_config(run, **changes), model=copy.deepcopy(model), tokenizer=tokenizer,
         inference_config=inference_config(run),
     )  # fmt: skip
+
+
+def attached_manager(
+    run: RunConfig, model: nn.Module, tokenizer: Any, **changes: Any
+) -> RolloutManager:
+    """A manager on the engines behind rollout.coordinator_address (other hosts). They loaded
+    their own checkpoint; the trainer's weights go out at once, so they sample with the
+    trainer's policy from the first request on."""
+    c = run.coordinator
+    manager = RolloutManager(
+        manager_config(run, dp=run.rollout.dp, coordinator_address=run.rollout.coordinator_address, **changes),
+        tokenizer=tokenizer,
+        cluster_options={"auth_token": resolve_token(c.token, c.token_file),
+                         "weight_sync_host": c.weight_sync_host},
+    )  # fmt: skip
+    try:
+        manager.update_weights(model)
+    except BaseException:
+        manager.close()
+        raise
+    return manager
 
 
 def to_dict(run: RunConfig) -> dict[str, Any]:

@@ -194,6 +194,10 @@ def _check_rollout(run: RunConfig, errors: list[str]) -> None:
               f"rollout.max_episode_tokens must be in [1, engine.max_sequence_length="
               f"{run.engine.max_sequence_length}] or null, got {r.max_episode_tokens}")  # fmt: skip
     _need(errors, r.env_timeout_s > 0, f"rollout.env_timeout_s must be > 0, got {r.env_timeout_s}")
+    if r.coordinator_address is not None:
+        _need(errors, r.coordinator_address.startswith("tcp://") and ":" in r.coordinator_address[6:],
+              f"rollout.coordinator_address must look like tcp://HOST:PORT (what `rollout serve` "
+              f"prints), got {r.coordinator_address!r}")  # fmt: skip
     _need(
         errors,
         r.temperature >= 0,

@@ -104,6 +104,10 @@ class CoordinatorCfg:
     # map the trainer's packed weights: shared memory / CUDA IPC); auto = ipc when the trainer's
     # weights sit on the engines' device (rollout.weights.trainer_sync AUTO_IPC_DEVICES).
     weight_sync_transport: WeightSyncTransport = WeightSyncTransport.auto
+    # The interface engines on other hosts reach this trainer's weight-sync store on (its
+    # rendezvous travels with every update). The store has no authentication: loopback unless
+    # the engines run elsewhere, and then only on a trusted network.
+    weight_sync_host: str = "127.0.0.1"
 
 
 @dataclass
@@ -125,6 +129,10 @@ class RolloutCfg:
     max_turns: int = 8  # multi-turn episodes: model turns
     max_episode_tokens: int | None = None  # episodes: all tokens (None: engine.max_sequence_length)
     env_timeout_s: float = 60.0  # episodes: one environment call
+    # "tcp://HOST:PORT": attach to a running coordinator (`rollout serve` and the engines that
+    # joined it from any host) instead of starting engines; dp = how many must have joined.
+    # Its secret: coordinator.token / token_file.
+    coordinator_address: str | None = None
 
 
 @dataclass

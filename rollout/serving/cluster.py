@@ -367,7 +367,9 @@ class EngineCluster:
         if self.supervisor is not None:
             self.supervisor.stop(timeout_s)
         if self.client is not None and self.loop.running and self.attached is not None:
-            with contextlib.suppress(Exception):  # the service is not ours: leave it running
+            with contextlib.suppress(Exception):  # the service is not ours: leave it serving
+                self._leave_running(timeout_s / 2)
+            with contextlib.suppress(Exception):
                 self.call(lambda: self.client.stop(), timeout_s / 2)
         elif self.client is not None and self.loop.running:
             with contextlib.suppress(Exception):  # best effort: the processes are joined below
@@ -385,6 +387,16 @@ class EngineCluster:
             self.loop.stop()
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    def _leave_running(self, timeout_s: float) -> None:
+        """Attached: hand the service back RUNNING (a trainer suspends and pauses it between
+        steps; other clients and the next trainer must be served)."""
+        state = self.stats()["state"]
+        if state == "SUSPENDED":
+            self.call(lambda: self.client.resume_engines(), timeout_s)
+            state = "PAUSED"
+        if state == "PAUSED":
+            self.call(lambda: self.client.unpause_engines(), timeout_s)
 
     def __enter__(self) -> EngineCluster:
         return self.start() if self.address is None else self
