@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from proc_io import read_until
 
 from rollout.cli import build_parser
 from rollout.sampling import SamplingParams
@@ -91,19 +92,6 @@ def test_serve_prints_pids_serves_and_leaves_nothing_behind(sig):
     assert not any(_alive(p) for p in pids.values()), pids
 
 
-def _read_until(proc: subprocess.Popen, pattern: str, timeout: float = 90) -> re.Match:
-    """Read lines until one matches (bounded by the process closing its stdout or a deadline)."""
-    deadline, seen = time.monotonic() + timeout, []
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        seen.append(line)
-        if m := re.search(pattern, line):
-            return m
-    raise AssertionError(f"no line matching {pattern!r} in:\n{''.join(seen)}")
-
-
 def test_engine_subcommand_joins_a_running_coordinator(tmp_path):
     """The secret reaches serve through a file and the engine through the environment."""
     secret = tmp_path / "token"
@@ -115,13 +103,13 @@ def test_engine_subcommand_joins_a_running_coordinator(tmp_path):
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
     extra = None
     try:
-        address = _read_until(serve, r"coordinator (tcp://\S+) pid")[1]
-        _read_until(serve, r"^ready")
+        address = read_until(serve, r"coordinator (tcp://\S+) pid")[1]
+        read_until(serve, r"^ready")
         extra = subprocess.Popen([*cmd, "engine", "--coordinator", address, "--rank", "1",
                                   "--model", "tiny"], stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True,
                                  env={**env, "ROLLOUT_AUTH_TOKEN": "s3"})  # fmt: skip
-        _read_until(extra, r"engine 1 pid \d+ -> tcp://")
+        read_until(extra, r"engine 1 pid \d+ -> tcp://")
 
         async def scenario() -> int:
             client = await InferenceClient(address, auth_token="s3").start()
@@ -158,17 +146,17 @@ def test_serve_restarts_a_killed_engine_and_gives_up_at_the_limit():
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
     try:
-        address = _read_until(proc, r"coordinator (tcp://\S+) pid")[1]
-        token = Path(_read_until(proc, r"auth token file (\S+)")[1]).read_text().strip()
-        engine1 = int(_read_until(proc, r"engine 1 pid (\d+)")[1])
-        _read_until(proc, r"^ready")
+        address = read_until(proc, r"coordinator (tcp://\S+) pid")[1]
+        token = Path(read_until(proc, r"auth token file (\S+)")[1]).read_text().strip()
+        engine1 = int(read_until(proc, r"engine 1 pid (\d+)")[1])
+        read_until(proc, r"^ready")
         os.kill(engine1, signal.SIGKILL)
-        _read_until(proc, r"engine 1 exited \(code -9\)")
-        restarted = int(_read_until(proc, r"engine 1 restarted pid (\d+) \(restart 1\)")[1])
+        read_until(proc, r"engine 1 exited \(code -9\)")
+        restarted = int(read_until(proc, r"engine 1 restarted pid (\d+) \(restart 1\)")[1])
         assert restarted != engine1
         assert asyncio.run(_serve(address, token, engines=2)) == 24  # round robin: both serve
         os.kill(restarted, signal.SIGKILL)
-        _read_until(proc, r"engine 1 given up after 1 restart")
+        read_until(proc, r"engine 1 given up after 1 restart")
         assert asyncio.run(_serve(address, token, engines=1)) == 24
         assert proc.poll() is None
         proc.send_signal(signal.SIGTERM)

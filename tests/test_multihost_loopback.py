@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from proc_io import read_until
 from reference import greedy
 
 from rollout.models import build_model
@@ -28,23 +29,11 @@ CMD = [sys.executable, "-m", "rollout.cli"]
 PROMPTS = [[256, 10 + i, 20, 30, 40, 50] for i in range(6)]
 
 
-def _read_until(proc: subprocess.Popen, marker: str, timeout: float = 90) -> str:
-    deadline, seen = time.monotonic() + timeout, []
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        seen.append(line)
-        if marker in line:
-            return line
-    raise AssertionError(f"no line with {marker!r} in:\n{''.join(seen)}")
-
-
 def _engine(address: str, rank: int, env: dict) -> subprocess.Popen:
     proc = subprocess.Popen([*CMD, "engine", "--coordinator", address, "--rank", str(rank),
                              "--model", "tiny"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env)  # fmt: skip
-    _read_until(proc, f"engine {rank} pid")
+    read_until(proc, rf"engine {rank} pid")
     return proc
 
 
@@ -83,7 +72,7 @@ def test_manager_attached_to_joined_engines(tmp_path):
     procs = [serve]
     sp = SamplingParams(temperature=0.0, num_tokens_to_generate=6, ignore_eos=True)
     try:
-        address = _read_until(serve, "coordinator tcp://").split()[1]
+        address = read_until(serve, r"coordinator (tcp://\S+) pid")[1]
         procs.append(_engine(address, 1, env))
         manager = RolloutManager(coordinator_address=address, dp=2,
                                  cluster_options={"auth_token": "s3", "sync_timeout_s": 20.0})  # fmt: skip
