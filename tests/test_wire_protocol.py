@@ -112,7 +112,10 @@ def test_wrong_type_names_header_and_field(fields, match):
 @pytest.mark.parametrize(
     "args, match",
     [
-        ((Headers.SET_WEIGHT_VERSION, 1, "v2", None), "SET_WEIGHT_VERSION: field 'version' must be int"),
+        (
+            (Headers.SET_WEIGHT_VERSION, 1, "v2", None),
+            "SET_WEIGHT_VERSION: field 'version' must be int",
+        ),
         ((12345,), "unknown header"),
     ],
     ids=["version-str", "unknown-header"],
