@@ -17,8 +17,8 @@ import time
 import httpx
 import openai
 import pytest
+from proc_io import read_until
 from prometheus_client.parser import text_string_to_metric_families
-from test_cli import _read_until
 
 from rollout.sampling import SamplingParams
 from rollout.serving.client import InferenceClient
@@ -65,8 +65,8 @@ def served(tmp_path_factory) -> Served:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)  # fmt: skip
     try:
-        coordinator = _read_until(proc, r"coordinator (tcp://\S+) pid")[1]
-        url = _read_until(proc, r"^http (http://\S+)")[1]
+        coordinator = read_until(proc, r"coordinator (tcp://\S+) pid")[1]
+        url = read_until(proc, r"^http (http://\S+)")[1]
         yield Served(proc, url, coordinator)
         proc.terminate()
         assert proc.wait(30) == 0
