@@ -173,6 +173,7 @@ class MetricsLogger(NullLogger):
 
 def _wait_for_exit_record(run_dir: Path, timeout_s: float) -> bool:
     """Poll the run file (every 20 ms) until its exit record is there; False on timeout."""
+    from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2 as pb
 
     deadline = time.monotonic() + timeout_s
@@ -183,7 +184,7 @@ def _wait_for_exit_record(run_dir: Path, timeout_s: float) -> bool:
                 rec.ParseFromString(data)
                 if rec.WhichOneof("record_type") == "exit":
                     return True
-        except (FileNotFoundError, ValueError):
+        except (FileNotFoundError, ValueError, DecodeError):
             pass  # not created yet / a record half written
         if time.monotonic() >= deadline:
             return False
