@@ -14,6 +14,8 @@ memory stage measures a clean device) under its own time budget:
   ipc_weight_sync  rollout.weights.ipc.benchmark_ipc_sync: IPC handover vs a plain copy, s/GB
   throughput       engine tokens/s vs transformers generate(), benchmarks/engine_vs_hf.py's
                    two workloads
+  decode_profile   one decode step under the torch profiler: wall vs device-busy ms, kernels
+                   and host syncs per step, the top ops (what to make fast next)
   grpo_recipe      a short `python -m recipes.grpo_reverse` run (engine=gpu on CUDA), rewards
 
     python scripts/gpu_check.py --device cpu --out /tmp/gpu_check.json   # anywhere, ~20 s
@@ -416,6 +418,57 @@ def stage_throughput(ctx: Ctx) -> None:
             torch.cuda.empty_cache()
 
 
+def stage_decode_profile(ctx: Ctx) -> None:
+    """Where a decode step's time goes: wall time per step against the device's busy time (a
+    launch-bound step shows wall >> kernels), kernels and host syncs per step, the top ops."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from rollout.engine import DynamicInferenceEngine, InferenceConfig
+    from rollout.models import ModelConfig, build_model
+    from rollout.sampling import SamplingParams
+
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    size, batch, steps = ("small", 32, 20) if ctx.cuda else ("tiny", 4, 4)
+    config = ModelConfig.preset(size)
+    model = build_model(config, seed=0).to(device=ctx.device, dtype=dtype).eval()
+    eng = DynamicInferenceEngine(model, None, InferenceConfig(max_sequence_length=512,
+                                                              kv_cache_memory_bytes=256 * MiB))  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    sp = SamplingParams(temperature=1.0, num_tokens_to_generate=4 * steps + 8, ignore_eos=True)
+    for _ in range(batch):
+        eng.add_request(None, torch.randint(3, 500, (64,), generator=g).tolist(), sp)
+    for _ in range(4):  # prefill and warm-up
+        eng.step()
+    sync = torch.cuda.synchronize if ctx.cuda else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    sync()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            eng.step()
+        sync()
+    events = prof.events()
+    kernels = [e for e in events if str(e.device_type).endswith("CUDA")]
+    device_ms = sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / steps if kernels else 0.0
+    syncs = [e for e in events if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                             "cudaMemcpyAsync", "aten::item", "aten::_local_scalar_dense")]  # fmt: skip
+    averages = prof.key_averages()
+    for key in ("self_cpu_time_total", "self_device_time_total")[: 1 + ctx.cuda]:
+        print(averages.table(sort_by=key, row_limit=20), flush=True)
+    ctx.details.update(model=size, dtype=str(dtype), batch=batch, steps=steps,
+                       wall_ms_per_step=wall_ms, device_busy_ms_per_step=device_ms,
+                       kernels_per_step=len(kernels) / steps,
+                       host_syncs_and_copies_per_step={n: sum(e.name == n for e in syncs) / steps
+                                                       for n in sorted({e.name for e in syncs})},
+                       tokens_per_s=batch * 1e3 / wall_ms)  # fmt: skip
+    ctx.check("measured_steps", wall_ms > 0)
+
+
 def stage_grpo_recipe(ctx: Ctx) -> None:
     out = ctx.workdir / "grpo"
     if ctx.cuda:
@@ -446,8 +499,8 @@ def stage_grpo_recipe(ctx: Ctx) -> None:
     ctx.check("rewards_in_range", all(0.0 <= r["train/reward"] <= 1.0 for r in rows))
 
 
-# name -> (function, budget seconds on CUDA, on CPU). The CUDA budgets add up to 8.5 minutes:
-# with the wheel install, one 10-minute device command.
+# name -> (function, budget seconds on CUDA, on CPU). The CUDA budgets add up to 9.25 minutes:
+# with the wheel install, one 10-minute device command (most stages take a fraction of theirs).
 STAGES: dict[str, tuple[Callable[[Ctx], None], int, int]] = {
     "environment": (stage_environment, 30, 60),
     "cuda_tests": (stage_cuda_tests, 90, 30),
@@ -455,6 +508,7 @@ STAGES: dict[str, tuple[Callable[[Ctx], None], int, int]] = {
     "suspend_memory": (stage_suspend_memory, 60, 90),
     "ipc_weight_sync": (stage_ipc_weight_sync, 60, 90),
     "throughput": (stage_throughput, 120, 120),
+    "decode_profile": (stage_decode_profile, 45, 60),
     "grpo_recipe": (stage_grpo_recipe, 90, 120),
 }
 

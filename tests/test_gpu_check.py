@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
 STAGES = ["environment", "cuda_tests", "hf_parity", "suspend_memory", "ipc_weight_sync",
-          "throughput", "grpo_recipe"]  # fmt: skip
+          "throughput", "decode_profile", "grpo_recipe"]  # fmt: skip
 
 
 def run_check(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
@@ -46,7 +46,8 @@ def test_cpu_mode_passes_every_cpu_stage(tmp_path):
     stages = report["stages"]
     assert stages["cuda_tests"]["status"] == "skipped"
     assert stages["ipc_weight_sync"]["status"] in ("passed", "not_available")
-    for name in ("environment", "hf_parity", "suspend_memory", "throughput", "grpo_recipe"):
+    for name in ("environment", "hf_parity", "suspend_memory", "throughput", "decode_profile",
+                 "grpo_recipe"):  # fmt: skip
         assert stages[name]["status"] == "passed", (name, stages[name]["error"])
         assert stages[name]["checks"] and all(stages[name]["checks"].values()), name
     parity = stages["hf_parity"]["details"]
@@ -61,6 +62,7 @@ def test_cpu_mode_passes_every_cpu_stage(tmp_path):
     )
     assert memory["persist"]["reported_freed_bytes"] == 0
     assert len(stages["throughput"]["details"]["runs"]) == 2
+    assert stages["decode_profile"]["details"]["wall_ms_per_step"] > 0
     assert len(stages["grpo_recipe"]["details"]["rewards"]) == 3
     log = (tmp_path / "gpu_check.log").read_text()
     assert all(f"=== {name}" in log for name in STAGES)
