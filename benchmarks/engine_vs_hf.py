@@ -48,7 +48,8 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def run_ours(model, prompts, samples: int, new: int, greedy: bool, device, block_size: int):
+def run_ours(model, prompts, samples: int, new: int, greedy: bool, device, block_size: int,
+             cuda_graphs: bool = True):  # fmt: skip
     n_req = len(prompts) * samples
     longest = max(map(len, prompts)) + new
     cfg = InferenceConfig(
@@ -58,6 +59,7 @@ def run_ours(model, prompts, samples: int, new: int, greedy: bool, device, block
         max_tokens_per_step=max(2048, n_req),
         max_sequence_length=longest,
         enable_prefix_caching=True,
+        cuda_graphs=cuda_graphs,
     )
     eng = DynamicInferenceEngine(model, None, cfg)
     for i, p in enumerate(prompts):

@@ -482,17 +482,20 @@ def stage_throughput(ctx: Ctx) -> None:
             bench.run_ours(model, prompts[:2], 1, 4, True, device, 16)  # warm-up both
             bench.run_hf(hf, prompts[:2], 1, 4, True, device)
             ours = bench.run_ours(model, prompts, k, new, greedy, device, 16)
+            eager = bench.run_ours(model, prompts, k, new, greedy, device, 16, cuda_graphs=False)
             theirs = bench.run_hf(hf, prompts, k, new, greedy, device)
             row = {"model": size, "params": config.num_parameters(), "workload": name,
                    "requests": n * k, "ours_tokens_per_s": ours["tokens_per_s"],
+                   "ours_eager_tokens_per_s": eager["tokens_per_s"],
                    "hf_tokens_per_s": theirs["tokens_per_s"],
-                   "speedup": ours["tokens_per_s"] / theirs["tokens_per_s"]}  # fmt: skip
+                   "speedup": ours["tokens_per_s"] / theirs["tokens_per_s"],
+                   "eager_speedup": eager["tokens_per_s"] / theirs["tokens_per_s"]}  # fmt: skip
             ctx.details["runs"].append(row)
-            print(f"  {size} {name}: ours {row['ours_tokens_per_s']:.0f} tok/s, "
-                  f"hf {row['hf_tokens_per_s']:.0f} tok/s, x{row['speedup']:.2f}", flush=True)  # fmt: skip
-            ctx.check(
-                f"{size}_{name}_all_tokens", ours["tokens"] == theirs["tokens"] == n * k * new
-            )
+            print(f"  {size} {name}: ours {row['ours_tokens_per_s']:.0f} tok/s (eager "
+                  f"{row['ours_eager_tokens_per_s']:.0f}), hf {row['hf_tokens_per_s']:.0f} tok/s, "
+                  f"x{row['speedup']:.2f}", flush=True)  # fmt: skip
+            ctx.check(f"{size}_{name}_all_tokens",
+                      ours["tokens"] == eager["tokens"] == theirs["tokens"] == n * k * new)  # fmt: skip
         del model, hf
         if ctx.cuda:
             torch.cuda.empty_cache()
@@ -502,32 +505,48 @@ def stage_decode_profile(ctx: Ctx) -> None:
     """Where a decode step's time goes: wall time per step against the device's busy time (a
     launch-bound step shows wall >> kernels), kernels and host syncs per step, the top ops."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from rollout.engine import DynamicInferenceEngine, InferenceConfig
     from rollout.models import ModelConfig, build_model
-    from rollout.sampling import SamplingParams
 
     dtype = torch.bfloat16 if ctx.cuda else torch.float32
     size, batch, steps = ("small", 32, 20) if ctx.cuda else ("tiny", 4, 4)
     config = ModelConfig.preset(size)
     model = build_model(config, seed=0).to(device=ctx.device, dtype=dtype).eval()
-    eng = DynamicInferenceEngine(model, None, InferenceConfig(max_sequence_length=512,
-                                                              kv_cache_memory_bytes=256 * MiB))  # fmt: skip
+    ctx.details.update(model=size, dtype=str(dtype), batch=batch, steps=steps)
+    for graphs in (False, True):
+        cfg = InferenceConfig(max_sequence_length=512, kv_cache_memory_bytes=256 * MiB,
+                              cuda_graphs=graphs)  # fmt: skip
+        eng = DynamicInferenceEngine(model, None, cfg)
+        row = profile_decode(eng, batch, steps, ctx.cuda)
+        ctx.details["graphs" if graphs else "eager"] = row
+        ctx.check(f"measured_steps_{'graphs' if graphs else 'eager'}", row["wall_ms_per_step"] > 0)
+        eng.close()
+    if ctx.cuda:
+        ctx.check("graphs_replayed", ctx.details["graphs"]["decode_graph_replays"] > 0)
+
+
+def profile_decode(eng: Any, batch: int, steps: int, cuda: bool) -> dict[str, Any]:
+    """Wall ms per decode step, then the same steps under the profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from rollout.sampling import SamplingParams
+
     g = torch.Generator().manual_seed(0)
     sp = SamplingParams(temperature=1.0, num_tokens_to_generate=4 * steps + 8, ignore_eos=True)
     for _ in range(batch):
         eng.add_request(None, torch.randint(3, 500, (64,), generator=g).tolist(), sp)
-    for _ in range(4):  # prefill and warm-up
+    for _ in range(4):  # prefill and warm-up (graph captures)
         eng.step()
-    sync = torch.cuda.synchronize if ctx.cuda else (lambda: None)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
     t0 = time.perf_counter()
     for _ in range(steps):
         eng.step()
     sync()
     wall_ms = (time.perf_counter() - t0) * 1e3 / steps
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
             eng.step()
@@ -535,18 +554,19 @@ def stage_decode_profile(ctx: Ctx) -> None:
     events = prof.events()
     kernels = [e for e in events if str(e.device_type).endswith("CUDA")]
     device_ms = sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / steps if kernels else 0.0
-    syncs = [e for e in events if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
-                                             "cudaMemcpyAsync", "aten::item", "aten::_local_scalar_dense")]  # fmt: skip
+    watched = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync",
+               "cudaGraphLaunch", "aten::_local_scalar_dense")  # fmt: skip
+    syncs = [e for e in events if e.name in watched]
     averages = prof.key_averages()
-    for key in ("self_cpu_time_total", "self_device_time_total")[: 1 + ctx.cuda]:
-        print(averages.table(sort_by=key, row_limit=20), flush=True)
-    ctx.details.update(model=size, dtype=str(dtype), batch=batch, steps=steps,
-                       wall_ms_per_step=wall_ms, device_busy_ms_per_step=device_ms,
-                       kernels_per_step=len(kernels) / steps,
-                       host_syncs_and_copies_per_step={n: sum(e.name == n for e in syncs) / steps
-                                                       for n in sorted({e.name for e in syncs})},
-                       tokens_per_s=batch * 1e3 / wall_ms)  # fmt: skip
-    ctx.check("measured_steps", wall_ms > 0)
+    for key in ("self_cpu_time_total", "self_device_time_total")[: 1 + cuda]:
+        print(averages.table(sort_by=key, row_limit=15), flush=True)
+    stats = eng.stats()
+    return {"wall_ms_per_step": wall_ms, "device_busy_ms_per_step": device_ms,
+            "kernels_per_step": len(kernels) / steps, "tokens_per_s": batch * 1e3 / wall_ms,
+            "calls_per_step": {n: sum(e.name == n for e in syncs) / steps
+                               for n in sorted({e.name for e in syncs})},
+            "decode_graph_replays": stats.get("decode_graph_replays", 0),
+            "decode_graph_captures": stats.get("decode_graph_captures", 0)}  # fmt: skip
 
 
 def stage_grpo_recipe(ctx: Ctx) -> None:
@@ -579,7 +599,7 @@ def stage_grpo_recipe(ctx: Ctx) -> None:
     ctx.check("rewards_in_range", all(0.0 <= r["train/reward"] <= 1.0 for r in rows))
 
 
-# name -> (function, budget seconds on CUDA, on CPU). The CUDA budgets add up to 9.25 minutes:
+# name -> (function, budget seconds on CUDA, on CPU). The CUDA budgets add up to 10 minutes:
 # with the wheel install, one 10-minute device command (most stages take a fraction of theirs).
 STAGES: dict[str, tuple[Callable[[Ctx], None], int, int]] = {
     "environment": (stage_environment, 30, 60),
@@ -587,8 +607,8 @@ STAGES: dict[str, tuple[Callable[[Ctx], None], int, int]] = {
     "hf_parity": (stage_hf_parity, 60, 90),
     "suspend_memory": (stage_suspend_memory, 60, 90),
     "ipc_weight_sync": (stage_ipc_weight_sync, 60, 90),
-    "throughput": (stage_throughput, 120, 120),
-    "decode_profile": (stage_decode_profile, 45, 60),
+    "throughput": (stage_throughput, 150, 120),
+    "decode_profile": (stage_decode_profile, 60, 60),
     "grpo_recipe": (stage_grpo_recipe, 90, 120),
 }
 

@@ -74,6 +74,7 @@ class EngineCfg:
     enable_chunked_prefill: bool = True
     suspend_mode: SuspendMode = SuspendMode.recompute
     streaming_interval: int = 0
+    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA only)
 
 
 @dataclass

@@ -48,7 +48,9 @@ class InferenceConfig:
     token for every running request. kv_policy says what a weight update does to in-flight KV:
     "recompute" re-prefills under the new weights, "keep" reuses the old KV (its staleness
     counts). streaming_interval is the number of new tokens between partial outputs (0 = off).
-    device/dtype None mean "the model's".
+    cuda_graphs replays decode steps from CUDA graphs on a CUDA device (rollout.engine.cuda_graphs;
+    ignored elsewhere); turn it off to debug or profile the eager path. device/dtype None mean
+    "the model's".
     """
 
     block_size: int = 16
@@ -61,6 +63,7 @@ class InferenceConfig:
     enable_chunked_prefill: bool = True
     kv_policy: str = "recompute"
     streaming_interval: int = 0
+    cuda_graphs: bool = True
     device: str | None = None
     dtype: str | None = None
 
@@ -75,7 +78,7 @@ class InferenceConfig:
         self.max_tokens_per_step = _positive_int("max_tokens_per_step", self.max_tokens_per_step)
         self.max_sequence_length = _positive_int("max_sequence_length", self.max_sequence_length)
         self.streaming_interval = _positive_int("streaming_interval", self.streaming_interval, True)
-        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"InferenceConfig.{name} must be a bool, got {getattr(self, name)!r}"

@@ -34,6 +34,7 @@ from torch import nn
 from rollout.engine import sampler
 from rollout.engine.block_manager import NO_PARENT, BlockManager
 from rollout.engine.config import InferenceConfig
+from rollout.engine.cuda_graphs import DecodeGraphs
 from rollout.engine.intake import (
     Prompt,
     RequestError,
@@ -88,7 +89,7 @@ class DynamicInferenceEngine:
         if param.device != device or param.dtype != dtype:
             model.to(device=device, dtype=dtype)
         self.model = model.eval()
-        self.runner = ModelRunner(self.model)
+        self.runner = ModelRunner(self.model, self._decode_graphs(config, device))
         self.tokenizer = tokenizer
         self.device, self.dtype = device, dtype
         self.vocab_size = int(self.model_config.vocab_size)
@@ -111,6 +112,15 @@ class DynamicInferenceEngine:
                          "requests_failed": 0, "request_faults": 0, "step_failures": 0,
                          "weight_updates": 0, "forward_time_s": 0.0}  # fmt: skip
         self._failures_in_a_row = 0
+
+    def _decode_graphs(self, config: InferenceConfig, device: torch.device) -> DecodeGraphs | None:
+        """CUDA graphs for decode steps (rollout.engine.cuda_graphs), where they apply."""
+        if not (config.cuda_graphs and device.type == "cuda"):
+            return None
+        if not hasattr(self.model, "forward_static_decode"):
+            return None
+        max_blocks = -(-config.max_sequence_length // config.block_size)
+        return DecodeGraphs(self.model, config.max_requests, max_blocks, device)
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(
@@ -470,6 +480,8 @@ class DynamicInferenceEngine:
         self.suspended = mode
         if mode == "persist":
             return 0
+        if self.runner.graphs is not None:  # they hold the pool's address, and memory of their own
+            self.runner.graphs.clear()
         if mode == "offload":
             return self.kv.offload()
         for seq in self.scheduler.running:  # recompute: each re-prefills on resume, in order
@@ -498,6 +510,8 @@ class DynamicInferenceEngine:
         for rid in list(self._seqs):
             self.discard(rid)
         self._done.clear()
+        if self.runner.graphs is not None:
+            self.runner.graphs.clear()
         self.kv.close()
         self.closed = True
 
@@ -588,5 +602,7 @@ class DynamicInferenceEngine:
             kv_cache_bytes=self.kv.nbytes,
             suspended=self.suspended,
         )
+        if self.runner.graphs is not None:
+            out.update({f"decode_graph_{k}": v for k, v in self.runner.graphs.counters.items()})
         out.update(self.load())
         return out

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from rollout.engine.cuda_graphs import DecodeGraphs
 from rollout.engine.scheduler import ScheduledBatch
 from rollout.engine.sequence import Sequence
 from rollout.models.attention import PagedAttentionMetadata
@@ -21,9 +22,15 @@ from rollout.models.attention import PagedAttentionMetadata
 
 @dataclass
 class PreparedBatch:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: PagedAttentionMetadata
+    """One step's inputs as host lists; device tensors are made by the path that runs it."""
+
+    tokens: list[int]
+    positions: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    block_size: int
+    device: torch.device | str | None
     logit_rows: list[int]  # rows of hidden whose logits are needed
     sample_at: list[int]  # index into logit rows of each sampling sequence
     samplers: list[Sequence]
@@ -31,7 +38,19 @@ class PreparedBatch:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.input_ids.numel())
+        return len(self.tokens)
+
+    @property
+    def decode_only(self) -> bool:
+        """One token per row, every row samples, no prompt log-probs: logits rows = rows."""
+        return len(self.tokens) == len(self.query_lens) == len(self.samplers) and not self.prompt_lp
+
+    def to_device(self) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionMetadata]:
+        meta = PagedAttentionMetadata.from_lists(self.query_lens, self.context_lens,
+                                                 self.block_tables, self.block_size, self.device)  # fmt: skip
+        ids = torch.tensor(self.tokens, dtype=torch.int64, device=self.device)
+        positions = torch.tensor(self.positions, dtype=torch.int64, device=self.device)
+        return ids, positions, meta
 
 
 def prepare_batch(
@@ -64,28 +83,31 @@ def prepare_batch(
             logit_rows.append(row + n - 1)
             samplers.append(seq)
         row += n
-    meta = PagedAttentionMetadata.from_lists(q_lens, ctx_lens, tables, block_size, device)
-    return PreparedBatch(
-        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
-        meta=meta,
-        logit_rows=logit_rows,
-        sample_at=sample_at,
-        samplers=samplers,
-        prompt_lp=prompt_lp,
-    )
+    return PreparedBatch(ids, positions, q_lens, ctx_lens, tables, block_size, device,
+                         logit_rows, sample_at, samplers, prompt_lp)  # fmt: skip
 
 
 class ModelRunner:
-    """Runs `model` (rollout.models.DecoderLM or compatible) over prepared batches."""
+    """Runs `model` (rollout.models.DecoderLM or compatible) over prepared batches; pure-decode
+    steps go through `graphs` (rollout.engine.cuda_graphs) when the engine set it."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, graphs: DecodeGraphs | None = None) -> None:
         self.model = model
+        self.graphs = graphs
 
     def logits(self, prep: PreparedBatch, kv_cache: torch.Tensor) -> torch.Tensor | None:
         """Logits [len(prep.logit_rows), V] in logit-row order (None when no row needs them);
         the new tokens' K/V land in kv_cache."""
-        hidden = self.model.forward_paged(prep.input_ids, prep.positions, prep.meta, kv_cache)
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and prep.decode_only
+            and graphs.accepts(len(prep.tokens), max(map(len, prep.block_tables)))
+        ):
+            return graphs.logits(prep.tokens, prep.positions, prep.context_lens,
+                                 prep.block_tables, prep.block_size, kv_cache)  # fmt: skip
+        input_ids, positions, meta = prep.to_device()
+        hidden = self.model.forward_paged(input_ids, positions, meta, kv_cache)
         rows = prep.logit_rows
         if not rows:
             return None

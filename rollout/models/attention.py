@@ -302,19 +302,58 @@ def _prefill_chunk(r: _Rows, i: int, tables: torch.Tensor, zero_copy: bool) -> P
     return PrefillChunk(r.starts[i], r.starts[i + 1], ctx, first, blocks, mask)
 
 
+@dataclass
+class StaticDecodePlan:
+    """Decode-only metadata as fixed-shape device tensors, for a step replayed from a CUDA graph:
+    no host-side planning, no shape that depends on the batch's values. Every row reads all
+    `block_tables.shape[1]` of its table's blocks, masked past its context length."""
+
+    slot_mapping: torch.Tensor  # [B] cache slot of each row's new token
+    block_tables: torch.Tensor  # [B, blocks] (padding entries point at any valid block)
+    context_lens: torch.Tensor  # [B] tokens of context after this step, new token included
+
+
+def static_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: StaticDecodePlan,
+    scale: float,
+) -> torch.Tensor:
+    """One decode token per row, q [B, H, D], k/v [B, KVH, D] -> [B, H, D]: write the new K/V,
+    then one padded SDPA call over whole gathered blocks (the GQA group folded into the query
+    axis), as the batched path does but with shapes fixed by the plan alone."""
+    batch, heads, dim = q.shape
+    kvh = k.shape[1]
+    k_cache.view(-1, kvh, dim).index_copy_(0, plan.slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, kvh, dim).index_copy_(0, plan.slot_mapping, v.to(v_cache.dtype))
+    length = plan.block_tables.shape[1] * k_cache.shape[1]
+    blocks = plan.block_tables.reshape(-1)
+    kd = _gather(k_cache, blocks, batch, length).transpose(1, 2).to(q.dtype)
+    vd = _gather(v_cache, blocks, batch, length).transpose(1, 2).to(q.dtype)
+    keep = torch.arange(length, device=q.device)[None, :] < plan.context_lens[:, None]
+    qd = q.view(batch, kvh, heads // kvh, dim)
+    od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=keep[:, None, None, :], scale=scale)
+    return od.reshape(batch, heads, dim)
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    plan: AttentionPlan,
+    plan: AttentionPlan | StaticDecodePlan,
     scale: float,
 ) -> torch.Tensor:
     """q [N, H, D], k/v [N, KVH, D] (new tokens), caches [blocks, block_size, KVH, D] -> [N, H, D].
 
     Writes the new K/V into the caches first, then attends over each sequence's context.
     """
+    if isinstance(plan, StaticDecodePlan):
+        return static_decode_attention(q, k, v, k_cache, v_cache, plan, scale)
     _, heads, dim = q.shape
     kvh = k.shape[1]
     group = heads // kvh

@@ -15,7 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout.models.attention import AttentionPlan, PagedAttentionMetadata, paged_attention
+from rollout.models.attention import (
+    AttentionPlan,
+    PagedAttentionMetadata,
+    StaticDecodePlan,
+    paged_attention,
+)
 from rollout.models.config import ModelConfig
 from rollout.models.packed import PackedLinears
 
@@ -139,7 +144,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        plan: AttentionPlan,
+        plan: AttentionPlan | StaticDecodePlan,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         linear: Linear,
@@ -257,8 +262,29 @@ class DecoderLM(nn.Module):
                 f"slot_mapping has {meta.slot_mapping.shape[0]} entries for {input_ids.shape[0]} tokens"
             )
         plan = AttentionPlan(meta, kv_cache.shape[3], input_ids.shape[0], kv_cache.shape[2])
+        self.packed.observe(input_ids.shape[0], self.lm_head.weight)
+        return self._paged_layers(input_ids, positions, plan, kv_cache)
+
+    @torch.no_grad()
+    def forward_static_decode(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        plan: StaticDecodePlan,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """`forward_paged` for one decode token per row, every shape fixed by the inputs' sizes
+        and no host work: what a CUDA graph captures (rollout.engine.cuda_graphs)."""
+        return self._paged_layers(input_ids, positions, plan, kv_cache)
+
+    def _paged_layers(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        plan: AttentionPlan | StaticDecodePlan,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
         linear = self.packed
-        linear.observe(input_ids.shape[0], self.lm_head.weight)
         x = self.model.embed_tokens(input_ids)
         rope = self.rotary.paged(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
