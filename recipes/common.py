@@ -23,6 +23,12 @@ demonstrations (imperfect in the default recipe: recipes/tasks.py), so GRPO star
 reward. The evaluation before the first RL step and after the last (greedy, and sampled at the
 training temperature, on the same prompts) measures what RL added. Outputs go beside the run
 (Hydra's output folder): the offline W&B run, reward.png, staleness.png and metrics.json.
+
+Under torchrun (`torchrun --standalone --nproc_per_node=N -m recipes.grpo_reverse`) rank 0 runs
+all of the above and hands each collated batch to the other ranks (`trainer_hooks.distributed`),
+which run `_follow`: the GRPO update alone, on their share, with DDP averaging the gradients.
+Rank 0 alone logs and writes the outputs; its train/* loss statistics describe its own share,
+the rewards and rollout/* the whole batch.
 """
 
 from __future__ import annotations
@@ -61,9 +67,12 @@ from rollout.rl.environment import EnvFactory
 from rollout.rl.episodes import episode_metrics
 from rollout.rl.manager import RolloutManager
 from rollout.rl.samples import Sample, collate
+from trainer_hooks.distributed import TrainerGroup, grad_sync, trainer_group, weights_digest
 from trainer_hooks.hooks import RolloutHooks
 from trainer_hooks.losses import group_advantages, policy_loss, sequence_log_probs
 
+# The collated tensors a GRPO update reads: what rank 0 shares with the other trainer ranks.
+TRAIN_KEYS = ("tokens", "completion_mask", "behaviour_logp", "policy_staleness", "rewards")
 REWARD_KEYS = ("train/reward", "train/accuracy", "train/eval_reward", "train/eval_accuracy")
 SAMPLED_EVAL_N = 4  # samples per eval prompt for the sampled before/after evaluation
 STALENESS_KEYS = (
@@ -186,14 +195,17 @@ def evaluate_all(
 def grpo_update(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    samples: list[Sample],
+    batch: dict[str, torch.Tensor],
     run: RunConfig,
-    pad_id: int,
     ref_model: nn.Module | None = None,
     before_step: Callable[[], None] | None = None,
+    group: TrainerGroup | None = None,
 ) -> dict[str, float]:
-    """One optimizer step per PPO epoch over the batch, in micro-batches of `trainer.batch`;
-    `before_step` runs before each (the hooks' check that the engines are suspended).
+    """One optimizer step per PPO epoch over `batch` (`collate`'s tensors, TRAIN_KEYS), in
+    micro-batches of `trainer.batch`; `before_step` runs before each (the hooks' check that the
+    engines are suspended). Under torchrun (`group`) `batch` is this rank's share and `model`
+    is DDP-wrapped: the loss is normalised by the whole batch's count, and whether to step is
+    decided for the whole batch, so every rank takes the same step.
 
     Old (proximal) log-probs are recomputed once with the current weights; the engine's
     behaviour log-probs feed TIS and the mismatch metrics; tokens staler than
@@ -202,15 +214,19 @@ def grpo_update(
     """
     t, r = run.trainer, run.rollout
     device = next(model.parameters()).device
-    batch = {k: v.to(device) for k, v in collate(samples, pad_id).items()}
+    batch = {k: batch[k].to(device) for k in TRAIN_KEYS}
     n = r.samples_per_prompt
     adv = group_advantages(batch["rewards"], n, normalize_std=t.normalize_adv_std).to(device)
     mask = batch["completion_mask"]
     norm_key = mask.sum(1) if t.loss_agg.value == "token_mean" else mask.any(1).float()
-    total = norm_key.sum().clamp_min(1).item()
+    counts = torch.stack([norm_key.sum().double(), adv.any().double()])  # loss count, signal
+    if group is not None:
+        counts = group.all_sum(counts)
+    # DDP averages the ranks' gradients: weigh each share by world_size / the batch's count.
+    total = counts[0].clamp_min(1).item() / (1 if group is None else group.world_size)
     # Every group scored alike: no gradient, and an Adam step would only coast on momentum.
-    skip = t.kl_coef == 0 and not bool(adv.any())
-    chunks = [slice(i, i + t.batch) for i in range(0, len(samples), t.batch)]
+    skip = t.kl_coef == 0 and not counts[1].item()
+    chunks = [slice(i, i + t.batch) for i in range(0, batch["tokens"].shape[0], t.batch)]
     with torch.no_grad():
         old = [sequence_log_probs(model(batch["tokens"][c]), batch["tokens"][c], mask[c]) for c in chunks]  # fmt: skip
         ref = None
@@ -222,16 +238,17 @@ def grpo_update(
     for _ in range(t.ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
         for k, c in enumerate(chunks):
-            new = sequence_log_probs(model(batch["tokens"][c]), batch["tokens"][c], mask[c])
-            loss, m = policy_loss(
-                new, old[k], adv[c], mask[c],
-                clip_eps_low=t.clip_eps_low, clip_eps_high=t.clip_eps_high,
-                behaviour_logp=batch["behaviour_logp"][c], tis_cap=t.tis_cap,
-                kl_coef=t.kl_coef, ref_logp=None if ref is None else ref[k],
-                loss_agg=t.loss_agg.value, staleness=batch["policy_staleness"][c],
-                max_staleness=r.max_staleness,
-            )  # fmt: skip
-            (loss * (norm_key[c].sum().item() / total)).backward()
+            with grad_sync(model, k == len(chunks) - 1):
+                new = sequence_log_probs(model(batch["tokens"][c]), batch["tokens"][c], mask[c])
+                loss, m = policy_loss(
+                    new, old[k], adv[c], mask[c],
+                    clip_eps_low=t.clip_eps_low, clip_eps_high=t.clip_eps_high,
+                    behaviour_logp=batch["behaviour_logp"][c], tis_cap=t.tis_cap,
+                    kl_coef=t.kl_coef, ref_logp=None if ref is None else ref[k],
+                    loss_agg=t.loss_agg.value, staleness=batch["policy_staleness"][c],
+                    max_staleness=r.max_staleness,
+                )  # fmt: skip
+                (loss * (norm_key[c].sum().item() / total)).backward()
             for key, v in m.items():
                 if key in _MAX_KEYS:
                     maxes[key] = max(maxes.get(key, -math.inf), v)
@@ -294,14 +311,18 @@ def rollout_metrics(samples: list[Sample], collect_s: float, histograms: bool) -
 def run_recipe(cfg: Any) -> dict[str, Any]:
     """Validate `cfg` (DictConfig from Hydra/compose, dict or RunConfig), train, log, plot.
 
-    Returns the summary written to metrics.json (start/end rewards, wall time, paths).
+    Returns the summary written to metrics.json (start/end rewards, wall time, paths). Under
+    torchrun every rank calls it: rank 0 runs the recipe and returns the summary, the other
+    ranks train on their share of each batch (`_follow`) and return their weights' digest.
     """
     run = validate_recipe(cfg)
-    with _cpu_threads(run):
-        return _run(run)
+    with _cpu_threads(run), trainer_group(resolve_device(run)) as group:
+        if group is not None and not group.is_main:
+            return _follow(run, group)
+        return _run(run, group)
 
 
-def _run(run: RunConfig) -> dict[str, Any]:
+def _run(run: RunConfig, group: TrainerGroup | None = None) -> dict[str, Any]:
     t_start = time.perf_counter()
     torch.manual_seed(run.recipe.seed)
     rng = random.Random(run.recipe.seed)
@@ -316,7 +337,8 @@ def _run(run: RunConfig) -> dict[str, Any]:
         sft = supervised_warm_start(model, task, tok, run, rng)
         ref_model = _frozen_copy(model) if run.trainer.kl_coef > 0 else None
         manager = build_manager(run, model=model, tokenizer=tok)  # the engine: its own copy
-        summary = _train(run, model, tok, task, manager, logger, rng, ref_model, sft, histograms)
+        summary = _train(run, model, tok, task, manager, logger, rng, ref_model, sft, histograms,
+                         group)  # fmt: skip
     finally:
         if manager is not None:
             manager.close()
@@ -340,6 +362,7 @@ def _train(
     ref_model: nn.Module | None,
     sft: dict[str, float],
     histograms: bool,
+    group: TrainerGroup | None = None,
 ) -> dict[str, Any]:
     t, r, colocated = run.trainer, run.rollout, run.rollout.mode.value == "colocated"
     stops = list(getattr(tok, "eos_ids", None) or [tok.eos_id])
@@ -351,8 +374,8 @@ def _train(
     eval_items = [{"prompt": task.prompt_ids(ex, tok), "example": ex}
                   for ex in task.sample_prompts(run.recipe.eval_prompts, eval_rng)]  # fmt: skip
     source = prompt_source(task, tok, rng)
-    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)  # fmt: skip
-    schedule = lr_scheduler(run, opt)
+    train_model = model if group is None else group.wrap(model)
+    opt, schedule = _optimizer(run, model)
     hooks = RolloutHooks(manager, model)  # colocated: suspends as each rollout phase ends
     hooks.on_train_start(model)
     first_eval: dict[str, float] = {}
@@ -378,7 +401,10 @@ def _train(
         if not samples:
             raise RuntimeError("the rollout manager returned no samples (prompt source ended?)")
         before_step = functools.partial(hooks.on_before_optimizer, step)
-        metrics.update(grpo_update(model, opt, samples, run, tok.pad_id, ref_model, before_step))
+        batch = collate(samples, tok.pad_id)
+        if group is not None:
+            batch = group.share(batch, TRAIN_KEYS, r.samples_per_prompt)
+        metrics.update(grpo_update(train_model, opt, batch, run, ref_model, before_step, group))
         if not metrics["train/skipped_step"]:
             schedule.step()  # the schedule counts optimizer steps, like any torch scheduler
         metrics["train/update_s"] = time.perf_counter() - suspended_at
@@ -435,7 +461,38 @@ def _train(
             )
         },
         "final_version": manager.version,
+        **({} if group is None else {"weights_sha256": _report_weights(run, group, model)}),
     }
+
+
+def _follow(run: RunConfig, group: TrainerGroup) -> dict[str, Any]:
+    """A trainer rank other than 0: the same model and optimizer as rank 0, trained on its
+    share of each step's batch. Its weights come from rank 0 (warm start included) when DDP
+    wraps the model, so it neither warm-starts nor generates; it logs nothing."""
+    torch.manual_seed(run.recipe.seed)
+    model, _, _ = build_model_and_tokenizer(run)
+    train_model = group.wrap(model)
+    ref_model = _frozen_copy(model) if run.trainer.kl_coef > 0 else None
+    opt, schedule = _optimizer(run, model)
+    for _ in range(run.trainer.steps):
+        batch = group.share(None, TRAIN_KEYS, run.rollout.samples_per_prompt)
+        if not grpo_update(train_model, opt, batch, run, ref_model, group=group)["train/skipped_step"]:  # fmt: skip
+            schedule.step()
+    return {"recipe": run.recipe.name, "weights_sha256": _report_weights(run, group, model)}
+
+
+def _optimizer(run: RunConfig, model: nn.Module) -> tuple[torch.optim.Optimizer, Any]:
+    t = run.trainer
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)  # fmt: skip
+    return opt, lr_scheduler(run, opt)
+
+
+def _report_weights(run: RunConfig, group: TrainerGroup, model: nn.Module) -> str:
+    """Print this rank's weights digest (every rank must print the same one) and return it."""
+    digest = weights_digest(model)
+    print(f"[{run.recipe.name}] rank {group.rank}/{group.world_size} weights sha256 {digest}",
+          flush=True)  # fmt: skip
+    return digest
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 from typing import Any
 
 import torch
@@ -28,7 +29,8 @@ def task_of(run: RunConfig) -> Any:
 
 def validate_recipe(cfg: Any) -> RunConfig:
     """The library's checks, bounded by the task's longest prompt, plus the task's own: it must
-    exist. Raises ConfigError listing every problem at once."""
+    exist; and under torchrun, every trainer rank gets whole groups. Raises ConfigError listing
+    every problem at once."""
     run = to_run_config(cfg)
     rc = run.recipe
     errors: list[str] = []
@@ -41,6 +43,10 @@ def validate_recipe(cfg: Any) -> RunConfig:
         errors += problems(run)
     else:
         errors += problems(run, task.max_prompt_tokens, f"recipe.task={rc.task}")
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's trainer processes
+    if run.rollout.prompts_per_step % ranks:
+        errors.append(f"rollout.prompts_per_step={run.rollout.prompts_per_step}: must be a multiple "
+                      f"of the {ranks} trainer ranks (torchrun), which train whole groups each")  # fmt: skip
     raise_problems(errors)
     return run
 
