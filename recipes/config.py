@@ -29,11 +29,11 @@ def task_of(run: RunConfig) -> Any:
 
 def validate_recipe(cfg: Any) -> RunConfig:
     """The library's checks, bounded by the task's longest prompt, plus the task's own: it must
-    exist; and under torchrun, every trainer rank gets whole groups. Raises ConfigError listing
-    every problem at once."""
+    exist; and what torchrun needs (`torchrun_problems`). Raises ConfigError listing every
+    problem at once."""
     run = to_run_config(cfg)
     rc = run.recipe
-    errors: list[str] = []
+    errors: list[str] = torchrun_problems(run)
     try:
         task = task_of(run)
     except ValueError as e:
@@ -43,12 +43,26 @@ def validate_recipe(cfg: Any) -> RunConfig:
         errors += problems(run)
     else:
         errors += problems(run, task.max_prompt_tokens, f"recipe.task={rc.task}")
-    ranks = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's trainer processes
-    if run.rollout.prompts_per_step % ranks:
-        errors.append(f"rollout.prompts_per_step={run.rollout.prompts_per_step}: must be a multiple "
-                      f"of the {ranks} trainer ranks (torchrun), which train whole groups each")  # fmt: skip
     raise_problems(errors)
     return run
+
+
+def torchrun_problems(run: RunConfig) -> list[str]:
+    """Under torchrun (WORLD_SIZE set): each trainer rank trains whole groups, and the engine is
+    the embedded one. Engine processes take weights through rollout.weights.trainer_sync, which
+    creates and destroys torch.distributed's default group, the one the trainer ranks hold."""
+    if "WORLD_SIZE" not in os.environ:
+        return []
+    ranks, r, errors = int(os.environ["WORLD_SIZE"]), run.rollout, []
+    if r.prompts_per_step % ranks:
+        errors.append(f"rollout.prompts_per_step={r.prompts_per_step}: must be a multiple of the "
+                      f"{ranks} trainer ranks (torchrun), which train whole groups each")  # fmt: skip
+    if r.dp > 1 or r.coordinator_address:
+        errors.append(f"rollout.dp={r.dp} / rollout.coordinator_address={r.coordinator_address}: "
+                      "under torchrun the trainer needs the embedded engine (rollout.dp=1, no "
+                      "coordinator): weight sync to engine processes takes torch.distributed's "
+                      "default group, which the trainer ranks hold")  # fmt: skip
+    return errors
 
 
 def lr_scheduler(run: RunConfig, optimizer: torch.optim.Optimizer) -> Any:

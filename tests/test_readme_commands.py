@@ -62,6 +62,8 @@ COVERED = {
     "python -m recipes.grpo_reverse -m hydra/launcher=submitit_slurm trainer.lr=1e-3,3e-3": "test_slurm_sweep_row",
     "ROLLOUT_HTTP_TOKEN=secret rollout serve --model DIR --http-port 8000": "test_http_section",
     """curl -s http://127.0.0.1:8000/v1/completions -H "Authorization: Bearer secret" -H "Content-Type: application/json" -d '{"model": "DIR", "prompt": "Hello", "max_tokens": 8, "seed": 0, "logprobs": 1}'""": "test_http_section",
+    "sbatch --nodes=3 examples/slurm/grpo_multinode.sbatch trainer.steps=100": "test_slurm_example",
+    "torchrun --standalone --nproc_per_node=2 -m recipes.grpo_reverse": "test_torchrun_trainer",
 }  # fmt: skip
 # README ```python blocks (by the heading above them) -> the test that executes them.
 SNIPPETS = {
@@ -144,7 +146,7 @@ def argv_of(command: str, **placeholders: str) -> tuple[list[str], dict[str, str
     while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
         name, _, value = words.pop(0).partition("=")
         env[name] = value
-    if words[0] not in ("bash", "python", "pytest", "rollout"):
+    if words[0] not in ("bash", "python", "pytest", "rollout", "torchrun", "sbatch"):
         words = ["python", "-m", "recipes.grpo_reverse", *words]
     bindir = Path(sys.executable).parent
     head = {
@@ -152,6 +154,8 @@ def argv_of(command: str, **placeholders: str) -> tuple[list[str], dict[str, str
         "pytest": [sys.executable, "-m", "pytest"],
         "rollout": [str(bindir / "rollout")],
         "bash": ["bash"],
+        "torchrun": [str(bindir / "torchrun")],
+        "sbatch": ["sbatch"],  # from PATH: tests/test_slurm_example.py's stand-in
     }[words[0]]
     return [*head, *words[1:]], env
 
@@ -452,6 +456,32 @@ def test_serve_with_remote_engine(tmp_path):
             assert asyncio.run(serve_requests(f"tcp://{host_port}", token, engines=2)) == 24
             assert serve.stop() == 0
             assert engine.p.wait(60) == 0, "the remote engine exits when its coordinator stops"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_slurm_example(tmp_path):
+    """The SLURM example through stand-in sbatch/srun/scontrol (tests/test_slurm_example.py,
+    which runs the script in the default suite): 3 "nodes" on this machine, serve's engine and
+    one engine on each other node, the trainer attached to all three."""
+    from test_slurm_example import check_job, fake_slurm, run_job
+
+    argv, env = argv_of(readme_command("test_slurm_example"))
+    env.update(fake_slurm(tmp_path))
+    run_job([*argv, *SHORT, f"hydra.run.dir={tmp_path / 'trainer'}"], env)
+    check_job(env, tmp_path / "trainer", engines=3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_torchrun_trainer(tmp_path):
+    """Two trainer ranks (tests/test_torchrun.py runs the same in the default suite): rank 0
+    generates, logs and pushes; both end with the weights it pushed."""
+    from test_torchrun import check_recipe_run
+
+    argv, env = argv_of(readme_command("test_torchrun_trainer"))
+    out = run([*argv, *SHORT, f"hydra.run.dir={tmp_path}"], env)
+    check_recipe_run(out.stdout, tmp_path, steps=2)
 
 
 @pytest.mark.slow

@@ -88,16 +88,20 @@ def test_data_parallel_update_matches_one_process(tmp_path):
     assert len(set(rank_digests(out.stdout, 2).values())) == 1
 
 
-def test_prompts_must_split_over_the_ranks(monkeypatch):
-    """Each rank trains whole groups: prompts_per_step must be a multiple of the ranks."""
+def test_torchrun_config_checks(monkeypatch):
+    """Under torchrun each rank trains whole groups (prompts_per_step a multiple of the ranks),
+    and the engine is the embedded one; without torchrun neither applies."""
     from recipes.config import validate_recipe
     from rollout.config import ConfigError, compose
 
+    overrides = ["rollout.prompts_per_step=3", "rollout.dp=2"]
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match=r"prompts_per_step=3: must be a multiple of the 2"):
-        validate_recipe(compose(["rollout.prompts_per_step=3"]))
+    with pytest.raises(ConfigError) as info:
+        validate_recipe(compose(overrides))
+    assert "prompts_per_step=3: must be a multiple of the 2 trainer ranks" in str(info.value)
+    assert "rollout.dp=2" in str(info.value) and "embedded engine" in str(info.value)
     monkeypatch.delenv("WORLD_SIZE")
-    validate_recipe(compose(["rollout.prompts_per_step=3"]))
+    validate_recipe(compose(overrides))
 
 
 def _compare_update(out: Path) -> None:

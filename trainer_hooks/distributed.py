@@ -9,9 +9,9 @@ so after each optimizer step every rank holds rank 0's parameters, the ones it p
 Without torchrun (no WORLD_SIZE in the environment) `TrainerGroup.from_env` returns None and
 nothing here runs: one process trains as it always did.
 
-The trainer owns torch.distributed's default group. Weight sync by broadcast (engines attached
-from other hosts) builds its own default group in rank 0 and refuses while this one exists; the
-embedded engine and same-host engines (shared-memory buckets) do not use torch.distributed.
+The trainer ranks hold torch.distributed's default group, as trainer frameworks do. Weight sync
+to engine processes (rollout.weights.trainer_sync) creates and destroys the default group of
+rank 0's process, so under torchrun the engine is the embedded one (recipes/config.py checks it).
 """
 
 from __future__ import annotations
