@@ -60,30 +60,43 @@ def sample(
     else:
         sub = [params[i] for i in rows]
         u = [uniform(seeds[i], positions[i]) for i in rows]
-        u = torch.tensor(u, dtype=torch.float64, device=logits.device)
+        u = to_device(u, torch.float64, logits.device)
         if len(rows) == len(params):  # every row samples: no argmax, no gather
             tokens = _sample_rows(logits, sub, u)
         else:
             tokens = _argmax(logits)
-            idx = torch.tensor(rows, device=logits.device)
+            idx = to_device(rows, torch.int64, logits.device)
             tokens.index_copy_(0, idx, _sample_rows(logits.index_select(0, idx), sub, u))
 
     want_lp = any(p.return_log_probs for p in params)
     max_n = max(p.top_n_logprobs for p in params)
     log_probs = top_n = None
-    token_list = tokens.tolist()
-    if want_lp or max_n:
-        logp = torch.log_softmax(logits, dim=-1)
-        if want_lp:
-            log_probs = logp.gather(1, tokens[:, None]).squeeze(1).tolist()
-        if max_n:
-            vals, ids = logp.topk(min(max_n, logp.shape[-1]), dim=-1)
-            vals, ids = vals.tolist(), ids.tolist()
-            top_n = [
-                dict(zip(ids[i][: p.top_n_logprobs], vals[i][: p.top_n_logprobs], strict=False))
-                for i, p in enumerate(params)
-            ]
+    logp = torch.log_softmax(logits, dim=-1) if want_lp or max_n else None
+    if want_lp:  # tokens and their log-probs in one transfer (fp64 holds both exactly)
+        lp = logp.gather(1, tokens[:, None]).squeeze(1)
+        token_list, log_probs = torch.stack((tokens.double(), lp.double())).tolist()
+        token_list = [int(t) for t in token_list]
+    else:
+        token_list = tokens.tolist()
+    if max_n:
+        vals, ids = logp.topk(min(max_n, logp.shape[-1]), dim=-1)
+        vals, ids = vals.tolist(), ids.tolist()
+        top_n = [
+            dict(zip(ids[i][: p.top_n_logprobs], vals[i][: p.top_n_logprobs], strict=False))
+            for i, p in enumerate(params)
+        ]
     return SampleOutput(token_list, log_probs, top_n)
+
+
+def to_device(
+    values: Sequence[float | int], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A small host list on `device`; on CUDA through pinned memory, so the copy queues behind
+    the step's work instead of waiting for it (a pageable copy synchronizes the stream)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def sample_isolated(
@@ -129,14 +142,14 @@ def _sample_rows(
     temps = [p.temperature for p in params]
     x = logits
     if any(t != 1.0 for t in temps):
-        x = logits / torch.tensor(temps, device=device)[:, None]
+        x = logits / to_device(temps, logits.dtype, device)[:, None]
     order = None
     ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]  # past the vocab: off
     if any(k < vocab or p.top_p < 1.0 for k, p in zip(ks, params, strict=True)):
         x, order = x.sort(dim=-1, descending=True)
-        ks = torch.tensor(ks, device=device)
+        ks = to_device(ks, torch.int64, device)
         x = x.masked_fill(torch.arange(vocab, device=device)[None, :] >= ks[:, None], float("-inf"))
-        top_p = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float64)
+        top_p = to_device([p.top_p for p in params], torch.float64, device)
         probs = torch.softmax(x, dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
         drop = before >= top_p[:, None]
