@@ -92,6 +92,27 @@ def test_steps_outside_the_graphs_take_the_regular_path():
     assert eng.runner.graphs.counters["eager"] == 0
 
 
+def test_a_failing_graph_path_falls_back_to_eager_for_good(monkeypatch):
+    """A capture the device refuses must cost speed, not requests: the step decodes eagerly
+    (its K/V rewritten by the eager forward) and the graphs are off from then on."""
+    model = tiny_model()
+    eng = _engine(model, True)
+    graphs = eng.runner.graphs
+    calls = []
+
+    def refuse(*args):
+        calls.append(1)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "_forward", refuse)
+    prompts = prompts_of([4, 11])
+    sp = SamplingParams(temperature=0.0, num_tokens_to_generate=7, ignore_eos=True)
+    out = eng.generate(prompts, sp)
+    assert [r.generated_tokens for r in out] == [greedy(model, p, 7) for p in prompts]
+    assert calls == [1] and eng.runner.graphs is None
+    assert eng.stats()["step_failures"] == 0 and eng.stats()["request_faults"] == 0
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_graph_decode_equals_eager_across_suspend_and_updates():

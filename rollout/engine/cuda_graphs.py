@@ -129,7 +129,8 @@ class DecodeGraphs:
         padded = [list(t) + [t[0]] * (width - len(t)) for t in tables]
         grid = self._host[4 * rows :].view(rows, self.max_blocks)
         grid[:batch, :width] = torch.tensor(padded + [padded[0]] * pad)
-        self._dev.copy_(self._host, non_blocking=True)
+        used = 4 * rows + batch * self.max_blocks  # the tables' rows past `batch` are not read
+        self._dev[:used].copy_(self._host[:used], non_blocking=True)
 
     def _forward(self, batch: int, width: int, kv_cache: torch.Tensor) -> torch.Tensor:
         ids, positions, plan = self._views(batch, width)
@@ -151,7 +152,8 @@ class DecodeGraphs:
             self._logits = torch.empty(self.batches[-1], vocab, dtype=self.model.lm_head.weight.dtype,
                                        device=self.device)  # fmt: skip
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: CUDA work of other threads (a weight transfer) does not break the capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = self._logits[:batch]
             out.copy_(self._forward(batch, width, kv_cache))
         self.counters["captures"] += 1

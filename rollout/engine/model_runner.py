@@ -9,6 +9,7 @@ and the logits are used as they are (no row selection copies).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,8 @@ from rollout.engine.cuda_graphs import DecodeGraphs
 from rollout.engine.scheduler import ScheduledBatch
 from rollout.engine.sequence import Sequence
 from rollout.models.attention import PagedAttentionMetadata
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -104,8 +107,13 @@ class ModelRunner:
             and prep.decode_only
             and graphs.accepts(len(prep.tokens), max(map(len, prep.block_tables)))
         ):
-            return graphs.logits(prep.tokens, prep.positions, prep.context_lens,
-                                 prep.block_tables, prep.block_size, kv_cache)  # fmt: skip
+            try:
+                return graphs.logits(prep.tokens, prep.positions, prep.context_lens,
+                                     prep.block_tables, prep.block_size, kv_cache)  # fmt: skip
+            except Exception:  # a capture the device refuses costs speed, never the engine
+                log.exception("CUDA graph decode failed; decoding eagerly from now on")
+                graphs.clear()
+                self.graphs = None
         input_ids, positions, meta = prep.to_device()
         hidden = self.model.forward_paged(input_ids, positions, meta, kv_cache)
         rows = prep.logit_rows
