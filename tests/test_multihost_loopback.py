@@ -2,7 +2,9 @@
 that joins it, as on another host), on loopback: every engine serves the trainer's weights at
 every version (checksums in the update acks and greedy decodes against the no-cache reference),
 an engine that dies leaves the sync group and later updates complete on the rest, and an engine
-that comes back takes no work until an update has brought it the current weights."""
+that comes back takes no work until it has the current weights. This trainer keeps no snapshot
+(`weights_snapshot=None`), so the next update brings them; with one (the default) the trainer
+catches the engine up at once (tests/test_weight_catch_up.py)."""
 
 from __future__ import annotations
 
@@ -75,7 +77,8 @@ def test_manager_attached_to_joined_engines(tmp_path):
         address = read_until(serve, r"coordinator (tcp://\S+) pid")[1]
         procs.append(_engine(address, 1, env))
         manager = RolloutManager(coordinator_address=address, dp=2,
-                                 cluster_options={"auth_token": "s3", "sync_timeout_s": 20.0})  # fmt: skip
+                                 cluster_options={"auth_token": "s3", "sync_timeout_s": 20.0,
+                                                  "weights_snapshot": None})  # fmt: skip
         with manager:
             cluster = manager.engine.cluster
 

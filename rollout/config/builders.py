@@ -187,7 +187,8 @@ def attached_manager(
         manager_config(run, dp=run.rollout.dp, coordinator_address=run.rollout.coordinator_address, **changes),
         tokenizer=tokenizer,
         cluster_options={"auth_token": resolve_token(c.token, c.token_file),
-                         "weight_sync_host": c.weight_sync_host},
+                         "weight_sync_host": c.weight_sync_host,
+                         "weights_snapshot": c.weights_snapshot.value},
     )  # fmt: skip
     try:
         manager.update_weights(model)

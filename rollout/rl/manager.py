@@ -80,7 +80,7 @@ __all__ = ["RolloutManager", "RolloutManagerConfig"]
 MODES = ("colocated", "async")
 # EngineCluster options that mean something when attaching (the rest configure spawned engines)
 _ATTACH_OPTIONS = ("auth_token", "weight_sync_host", "bucket_bytes", "ready_timeout_s",
-                   "sync_timeout_s", "worker_options", "on_event")  # fmt: skip
+                   "sync_timeout_s", "worker_options", "on_event", "weights_snapshot")  # fmt: skip
 STALE_POLICIES = ("drop", "regenerate")
 RewardFn = Callable[[Sample], Any]
 

@@ -155,6 +155,10 @@ class InferenceClient:
         self._last_recv = 0.0
         self._stopped = False
         self.errors: list[str] = []  # ERRORs not tied to a pending future (kept for inspection)
+        # The coordinator's last word on its engines (its heartbeats: rollout.serving.coordinator
+        # `membership`); each callback hears every one, on the loop thread.
+        self.membership: dict = {}
+        self.membership_callbacks: list[Any] = []
 
     # ---- connection ---------------------------------------------------------------------
 
@@ -421,8 +425,20 @@ class InferenceClient:
                 fut.set_result(fields[1])
         elif header is Headers.ERROR:
             self._on_error(*fields)
-        elif header is not Headers.HEARTBEAT:
+        elif header is Headers.HEARTBEAT:
+            self._on_membership(fields[0])
+        else:
             log.warning("client ignored unexpected %s", header.name)
+
+    def _on_membership(self, membership: dict) -> None:
+        if not isinstance(membership.get("engines"), list):
+            return
+        self.membership = membership
+        for callback in list(self.membership_callbacks):
+            try:
+                callback(membership)
+            except Exception:  # a listener's bug must not stop the receive path
+                log.exception("membership callback failed")
 
     def _resolve(self, crid: int, blob: bytes) -> None:
         fut = self._futures.pop(crid, None)

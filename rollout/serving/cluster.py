@@ -17,6 +17,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import dataclasses
+import logging
 import multiprocessing as mp
 import shutil
 import tempfile
@@ -43,6 +44,13 @@ from rollout.weights.snapshot import WeightSnapshot
 from rollout.weights.state import as_state_dict
 from rollout.weights.trainer_sync import TRANSPORTS, TrainerWeightSync
 
+log = logging.getLogger(__name__)
+
+MAX_SYNC_ATTEMPTS = (
+    3  # tries of one update; each retry leaves out the engines that died in the last
+)
+CATCH_UP_BACKOFF_S = (1.0, 30.0)  # a failed catch-up is tried again after 1, 2, 4... <= 30 s
+
 
 class EngineCluster:
     """Coordinator + `num_engines` engine processes + a client on a background loop.
@@ -52,7 +60,7 @@ class EngineCluster:
     engines (the trainer process becomes rank 0 of a group with the serving engines, created on
     first use and rebuilt when they change). `restart` (a RestartPolicy or its fields) says how
     dead engines come back; `weights_snapshot` ("memory" | "disk") where the last pushed weights
-    are kept for them (see rollout.weights.snapshot for the memory cost).
+    are kept for them (see rollout.weights.snapshot for the memory cost); None keeps none.
     `weight_sync_transport`: "broadcast" (a process group), "ipc" (engines map the trainer's
     buckets: same host, see rollout.weights.ipc) or "auto" (ipc for updates whose tensors sit on
     the engines' CUDA device, broadcast otherwise). `on_event(kind, rank, details)` hears of engine exits, restarts and give-ups (called on the supervisor thread).
@@ -63,8 +71,11 @@ class EngineCluster:
     here (engine hosts restart their own engines), `num_engines` is how many must have
     registered before `start()` returns, and `close()` leaves the service running. Weights go
     out by broadcast from a rendezvous store bound to `weight_sync_host` (the interface the
-    engines reach this process on; loopback by default), announced with every update; an engine
-    that joins later takes no work until the next update has brought it the current weights.
+    engines reach this process on; loopback by default), announced with every update. An engine
+    that joins later (or comes back) takes no work until it has the current weights: the
+    coordinator's heartbeat names it `syncing`, and a background thread here sends it the
+    snapshot of the last pushed version at once (`catch_up`; with `weights_snapshot=None`, the
+    next update brings them instead).
     """
 
     def __init__(
@@ -88,7 +99,7 @@ class EngineCluster:
         engine_factory: Callable[..., Any] | None = None,
         loop: EventLoopManager | None = None,
         restart: RestartPolicy | Mapping[str, Any] | None = None,
-        weights_snapshot: str = "memory",
+        weights_snapshot: str | None = "memory",
         on_event: Event | None = None,
         worker_options: Mapping[str, Any] | None = None,
         attach: str | None = None,
@@ -103,7 +114,7 @@ class EngineCluster:
         self.attached = attach
         self.weight_sync_host = weight_sync_host
         if attach is not None:  # engines on other hosts: no shared memory to hand over
-            weight_sync_transport, weights_snapshot = "broadcast", "memory"
+            weight_sync_transport = "broadcast"
             restart = {"max_restarts": 0}
         self.weight_sync_transport = weight_sync_transport
         self.auth_token = auth_token
@@ -129,8 +140,17 @@ class EngineCluster:
         self.client: InferenceClient | None = None
         self.sync: TrainerWeightSync | None = None
         self.restart_policy = RestartPolicy.of(restart)
+        # a copy of the last pushed weights for engines that start (restarts) or join (attached)
+        keep = self.restart_policy.max_restarts > 0 or attach is not None
         self.snapshot = (WeightSnapshot(self._tmp, weights_snapshot)
-                         if weight_sync and self.restart_policy.max_restarts > 0 else None)  # fmt: skip
+                         if weight_sync and keep and weights_snapshot is not None else None)  # fmt: skip
+        self.last_catch_up: dict[int, dict] = {}  # the acks of the last catch-up
+        self.sync_counters = dict.fromkeys(
+            ("engines_caught_up", "update_retries", "engines_lost_in_update"), 0
+        )
+        self._catch_up_wanted = threading.Event()
+        self._closing = threading.Event()  # wakes a catch-up backoff at close
+        self._catch_up_thread: threading.Thread | None = None
         self.supervisor: EngineSupervisor | None = None
         self.on_event = on_event
         self.worker_options = dict(worker_options or {})
@@ -250,6 +270,7 @@ class EngineCluster:
                     self.supervise()
                 else:  # the service's version is where this trainer's updates continue from
                     self.factory_kwargs["weight_version"] = int(stats["weight_version"] or 0)
+                    self._start_catch_up()
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"engines not registered within {self.ready_timeout_s}s")
@@ -284,27 +305,131 @@ class EngineCluster:
         (weight_version, checksum, bytes, seconds). Raises WeightSyncError when a serving engine
         did not apply it: then every engine still serves its previous version.
 
-        Dead engines are left out (they restart from these weights); an engine that dies
-        mid-transfer costs one retry on the survivors; an engine that joined meanwhile with older
-        weights is retired and restarted. So this returns within about two sync timeouts and no
-        engine serves older weights afterwards.
+        Dead engines are left out (they restart from these weights, or catch up when they come
+        back); an engine that dies mid-transfer costs a retry on the survivors
+        (`_push_to_survivors`); an engine that joined meanwhile with older weights is retired and
+        restarted (spawned) or caught up (attached). So no engine serves older weights afterwards.
         """
         if self.sync is None:
             raise RuntimeError("this cluster was started with weight_sync=False")
         sd = as_state_dict(source)
         with self._update_lock:
-            members = self._serving_engines()
-            try:
-                infos = self._push(sd, version, members, on_bucket)
-            except WeightSyncError as e:
-                survivors = self._serving_engines()
-                if not e.transport_broken or survivors == members:
-                    raise
-                infos = self._push(sd, version, survivors, on_bucket)
+            infos = self._push_to_survivors(sd, version, self._serving_engines(), on_bucket)
             if self.snapshot is not None:
                 self.snapshot.save(sd, version)
             self.sync.commit(version)
             self._retire_stale(version)
+        return infos
+
+    def _push_to_survivors(
+        self,
+        sd: dict[str, torch.Tensor],
+        version: int,
+        members: list[tuple[int, int]],
+        on_bucket: Any,
+    ) -> dict[int, dict]:
+        """`_push` to `members`; when engines die during a transfer (the group broke and they
+        left the coordinator or their process is gone), again to the rest, up to
+        MAX_SYNC_ATTEMPTS tries. All-or-nothing per engine: a survivor that applied the version
+        before the group broke (its ack says so) is done, the others still serve the previous
+        one and take the retry. Raises WeightSyncError when no engine is left or tries run out."""
+        done: dict[int, dict] = {}
+        lost: list[int] = []
+        for attempt in range(1, MAX_SYNC_ATTEMPTS + 1):
+            if attempt > 1:
+                self.sync_counters["update_retries"] += 1
+            try:
+                infos = {**done, **self._push(sd, version, members, on_bucket)}
+                _check_agreement(infos, version)
+                return infos
+            except WeightSyncError as e:
+                alive = set(self._serving_engines())
+                dead = [m for m in members if m not in alive]
+                if not e.transport_broken or not dead:
+                    raise
+                self._lost_in_update(dead, version, attempt)
+                lost += [r for r, _ in dead]
+                ranks = {r for r, _ in members}
+                done.update({int(r): i for r, i in e.acks.items() if int(r) in ranks
+                             and i.get("weight_version") == version and "lost" not in i})  # fmt: skip
+                members = [m for m in members if m in alive and m[0] not in done]
+                last = e
+            if not members:
+                break
+        if done and not members:
+            _check_agreement(done, version)
+            return done
+        why = ("every engine it was sent to died during the transfer" if not members else
+               f"gave up after {MAX_SYNC_ATTEMPTS} attempts, engines died in each")  # fmt: skip
+        raise WeightSyncError(f"weight update to version {version}: {why} (ranks {sorted(lost)}); "
+                              f"last failure: {last}", transport_broken=True) from last  # fmt: skip
+
+    def _lost_in_update(self, dead: list[tuple[int, int]], version: int, attempt: int) -> None:
+        self.sync_counters["engines_lost_in_update"] += len(dead)
+        for rank, _ in dead:
+            self._event("left_update", rank, {"version": version, "attempt": attempt})
+
+    def _event(self, kind: str, rank: int, details: dict) -> None:
+        if self.on_event is not None:
+            try:
+                self.on_event(kind, rank, details)
+            except Exception:  # a listener's bug must not fail the update
+                log.exception("on_event(%r, %d) failed", kind, rank)
+
+    # ---- catching up engines that joined after the last update (attached) -----------------
+
+    def _start_catch_up(self) -> None:
+        """Attached with a snapshot: watch the coordinator's heartbeats for engines held for
+        weights, and catch them up from a thread of their own."""
+        if self.snapshot is None or self.sync is None or self._catch_up_thread is not None:
+            return
+
+        def heard(membership: dict) -> None:
+            if any(isinstance(e, list) and len(e) == 3 and e[2] for e in membership["engines"]):
+                self._catch_up_wanted.set()
+
+        self.client.membership_callbacks.append(heard)
+        self._catch_up_thread = threading.Thread(target=self._catch_up_loop,
+                                                 name="rollout-catch-up", daemon=True)  # fmt: skip
+        self._catch_up_thread.start()
+
+    def _catch_up_loop(self) -> None:
+        failures = 0
+        while True:
+            self._catch_up_wanted.wait()
+            if self._closed:
+                return
+            self._catch_up_wanted.clear()
+            try:
+                self.catch_up()
+                failures = 0
+            except Exception as e:  # the engine stays held; the next heartbeat names it again
+                if self._closed:
+                    return
+                failures += 1
+                delay = min(CATCH_UP_BACKOFF_S[1], CATCH_UP_BACKOFF_S[0] * 2 ** (failures - 1))
+                log.warning("catching up joined engines failed (%s); again in %.0fs", e, delay)
+                if self._closing.wait(delay):
+                    return
+
+    def catch_up(self) -> dict[int, dict]:
+        """Send every engine the coordinator holds for weights (joined, or back, after the last
+        update) the version the others serve, from the snapshot (never the trainer's module: it
+        may be a step further). Serialised with updates; returns their acks ({} when none is
+        held, before the first update, or when the coordinator announced another version)."""
+        with self._update_lock:
+            stats = self.stats()
+            held = sorted((int(r), int(e["engine_id"])) for r, e in stats["engines"].items()
+                          if e["syncing"] and not e["stopped"])  # fmt: skip
+            snap = self.snapshot.state_dict() if held and self.snapshot is not None else None
+            if snap is None or snap[0] != stats["weight_version"]:
+                return {}
+            version, sd = snap
+            infos = self._push_to_survivors(sd, version, held, None)
+        self.last_catch_up = infos
+        self.sync_counters["engines_caught_up"] += len(infos)
+        for rank, info in infos.items():
+            self._event("caught_up", rank, info)
         return infos
 
     def _serving_engines(self) -> list[tuple[int, int]]:
@@ -332,18 +457,41 @@ class EngineCluster:
                 self._control(lambda: self.client.set_weight_version(version, rendezvous))
             )
 
-        infos, transport, seconds = self.sync.transfer(sd, version, members, on_bucket, announce)
+        with self._abort_on_loss(members):
+            infos, transport, seconds = self.sync.transfer(sd, version, members, on_bucket,
+                                                           announce)  # fmt: skip
         ranks = {r for r, _ in members}
         applied = {r: i for r, i in infos.items() if int(r) in ranks and "lost" not in i}
-        bad = {r: i for r, i in applied.items() if i.get("weight_version") != version}
-        if bad:
-            raise WeightSyncError(f"engines did not apply version {version}: {bad}")
-        sums = {i.get("checksum") for i in applied.values()}
-        if len(sums) > 1:
-            raise WeightSyncError(f"engines disagree on the weights of version {version}: {infos}")
+        _check_agreement(applied, version)
         for i in applied.values():
             i["sender_seconds"], i["transport"] = seconds, transport
         return applied
+
+    @contextlib.contextmanager
+    def _abort_on_loss(self, members: list[tuple[int, int]]) -> Any:
+        """While a transfer runs, a member that leaves the coordinator (its heartbeat names the
+        live engines, and is sent at once when one is removed) aborts it: the survivors are not
+        left blocked in collectives with a dead peer until their timeout."""
+        client = self.client
+
+        def heard(membership: dict) -> None:
+            live = {
+                (e[0], e[1]) for e in membership["engines"] if isinstance(e, list) and len(e) >= 2
+            }
+            ranks = {r for r, _ in live}
+            gone = [r for r, i in members
+                    if ((r, i) not in live if self.attached is not None else r not in ranks)]  # fmt: skip
+            if gone:
+                self.sync.abort_transfer(f"engine ranks {gone} left during the transfer")
+
+        if client is None or not members:
+            yield
+            return
+        client.membership_callbacks.append(heard)
+        try:
+            yield
+        finally:
+            client.membership_callbacks.remove(heard)
 
     def _retire_stale(self, version: int) -> None:
         """Engines serving another version (registered while this update ran) restart."""
@@ -364,6 +512,10 @@ class EngineCluster:
             return
         self._closed = True
         atexit.unregister(self._atexit)
+        self._closing.set()
+        self._catch_up_wanted.set()
+        if self._catch_up_thread is not None:
+            self._catch_up_thread.join(timeout_s)
         if self.supervisor is not None:
             self.supervisor.stop(timeout_s)
         if self.client is not None and self.loop.running and self.attached is not None:
@@ -403,6 +555,16 @@ class EngineCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_agreement(infos: dict[int, dict], version: int) -> None:
+    """Every ack names `version` and one checksum, else WeightSyncError."""
+    bad = {r: i for r, i in infos.items() if i.get("weight_version") != version}
+    if bad:
+        raise WeightSyncError(f"engines did not apply version {version}: {bad}")
+    sums = {i.get("checksum") for i in infos.values()}
+    if len(sums) > 1:
+        raise WeightSyncError(f"engines disagree on the weights of version {version}: {infos}")
 
 
 def _icfg_dict(cfg: Any) -> dict[str, Any]:

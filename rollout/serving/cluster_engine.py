@@ -167,6 +167,8 @@ class ClusterEngine:
         out["engine/restarts"] = sup["restarts"]
         out["engine/stale_restarts"] = sup["stale_restarts"]
         out["engine/gave_up"] = len(sup["gave_up"])
+        for k, v in self.cluster.sync_counters.items():
+            out[f"weight_sync/{k}"] = v
         for rank, info in self.last_sync.items():
             for k in ("checksum", "seconds", "bytes"):
                 if isinstance(info.get(k), (int, float)):

@@ -68,6 +68,9 @@ log = logging.getLogger(__name__)
 # Process exit codes a supervisor tells apart: 0 = told to stop; anything else = restart.
 EXIT_STALE_WEIGHTS = 3  # its weights are older than the committed ones: restart from current
 EXIT_COORDINATOR_LOST = 4  # the coordinator went silent or refused it
+# While receiving weights: how often to look for the trainer's abort of the transfer (a member
+# died in it; the trainer then retries without it). The store has no push, hence a timer.
+ABORT_CHECK_S = 0.2
 
 
 class StaleWeights(RuntimeError):
@@ -343,7 +346,8 @@ class EngineWorker:
 
     def _receive_weights(self, version: int) -> dict:
         """Take part in the trainer's broadcast of `version` (blocking this loop: no step runs
-        until the weights are applied or refused); heartbeats keep flowing meanwhile."""
+        until the weights are applied or refused); heartbeats keep flowing meanwhile, and a
+        transfer the trainer aborted (a member died) ends here at once."""
         done = threading.Event()
         out: dict = {}
         load = self._load()
@@ -355,8 +359,13 @@ class EngineWorker:
                 done.set()
 
         threading.Thread(target=run, name="rollout-weight-sync", daemon=True).start()
-        while not done.wait(self.heartbeat_s):
-            self._send(Headers.HEARTBEAT, load)  # the coordinator must not think we died
+        next_hb = time.monotonic() + self.heartbeat_s
+        while not done.wait(ABORT_CHECK_S):
+            with contextlib.suppress(Exception):  # a store gone: the transfer fails by itself
+                self.sync.watch_abort()
+            if time.monotonic() >= next_hb:
+                self._send(Headers.HEARTBEAT, load)  # the coordinator must not think we died
+                next_hb = time.monotonic() + self.heartbeat_s
         self._last_recv = time.monotonic()
         return out
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import threading
 import time
 from collections.abc import Callable, Mapping
 
@@ -50,12 +51,17 @@ class WeightSyncError(RuntimeError):
     """A weight update was refused or failed; the previous weights are still in place.
 
     `transport_broken` is True when the process group can no longer be trusted (a peer died
-    mid-collective); the caller must build a new group before the next transfer.
+    mid-collective); the caller must build a new group before the next transfer. `acks` are
+    the engines' answers to the failed update, by rank, when they were collected (who applied
+    it, who refused, who was lost): what a retry starts from.
     """
 
-    def __init__(self, message: str, *, transport_broken: bool = False):
+    def __init__(
+        self, message: str, *, transport_broken: bool = False, acks: dict | None = None
+    ) -> None:
         super().__init__(message)
         self.transport_broken = transport_broken
+        self.acks = acks or {}
 
 
 @dataclasses.dataclass
@@ -71,38 +77,96 @@ class SyncResult:
         return self.num_bytes / max(self.seconds, 1e-12) / 1e9
 
 
-def _group_device(group: dist.ProcessGroup | None) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+class Abort:
+    """Raised by another thread to end a transfer now: every wait of the transfer returns and
+    raises WeightSyncError (transport broken). A collective blocked on a dead peer cannot be
+    interrupted (gloo waits for its timeout, whoever closes what), so the transfer abandons
+    its group instead; the caller builds another for the next try."""
+
+    def __init__(self) -> None:
+        self._set = False
+        self._waiting: set[threading.Event] = set()
+        self._lock = threading.Lock()
+
+    def set(self) -> None:
+        with self._lock:
+            self._set = True
+            for done in self._waiting:
+                done.set()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, work: dist.Work) -> None:
+        """`work.wait()`, unless this is set first."""
+        done = threading.Event()
+        with self._lock:
+            if self._set:
+                raise WeightSyncError("weight transfer aborted", transport_broken=True)
+            self._waiting.add(done)
+        try:
+            work.get_future().add_done_callback(lambda _: done.set())
+            done.wait()
+        finally:
+            with self._lock:
+                self._waiting.discard(done)
+        if self._set:
+            raise WeightSyncError("weight transfer aborted", transport_broken=True)
+        work.wait()
+
+
+def _backend(pg: dist.ProcessGroup) -> str:
+    try:
+        return str(dist.get_backend(pg))
+    except (ValueError, RuntimeError):  # a group built outside torch's registry (engine_sync)
+        return pg.name()
 
 
 class _Collectives:
-    """The few collectives both sides run, in the same order, on one group."""
+    """The few collectives both sides run, in the same order, on one group: the default
+    group, a registered one, or a backend built directly (`rollout.weights.rendezvous
+    .open_group`). `abort` makes every wait abortable from another thread."""
 
-    def __init__(self, group: dist.ProcessGroup | None, src: int):
-        self.group, self.src = group, src
-        self.device = _group_device(group)
-        self.world = dist.get_world_size(group)
+    def __init__(self, group: dist.ProcessGroup | None, src: int, abort: Abort | None = None):
+        self.pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        self.src, self.abort = src, abort
+        self.device = (torch.device("cuda", torch.cuda.current_device())
+                       if _backend(self.pg) == "nccl" else torch.device("cpu"))  # fmt: skip
+        self.world, self.rank = self.pg.size(), self.pg.rank()
+
+    def bcast(self, t: torch.Tensor, async_op: bool = False) -> dist.Work | None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = self.src, 0
+        work = self.pg.broadcast([t], opts)
+        if async_op:
+            return work
+        self.wait(work)
+        return None
+
+    def wait(self, work: dist.Work) -> None:
+        if self.abort is None:
+            work.wait()
+        else:
+            self.abort.wait(work)
 
     def bcast_bytes(self, raw: bytes | None) -> bytes:
         n = torch.tensor([MAGIC, len(raw) if raw is not None else 0], dtype=torch.int64)
         n = n.to(self.device)
-        dist.broadcast(n, self.src, group=self.group)
+        self.bcast(n)
         magic, length = (int(x) for x in n.cpu())
         if magic != MAGIC:
             raise WeightSyncError(f"bad weight-sync magic {magic:#x}", transport_broken=True)
         buf = torch.empty(length, dtype=torch.uint8, device=self.device)
         if raw is not None:
             buf.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-        dist.broadcast(buf, self.src, group=self.group)
+        self.bcast(buf)
         return bytes(buf.cpu().numpy())
 
     def vote(self, code: int) -> list[int]:
         """all_gather one int per rank: 0 = ok, anything else = a failure code."""
         mine = torch.tensor([code], dtype=torch.int64, device=self.device)
         out = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(out, mine, group=self.group)
+        self.wait(self.pg.allgather([out], [mine]))
         return [int(x.item()) for x in out]
 
 
@@ -128,6 +192,7 @@ class WeightSender:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         checksum: str = "auto",
         direct_bytes: int = 1 << 20,
+        abort: Abort | None = None,
     ):
         if bucket_bytes <= 0 or bucket_bytes % ALIGN:
             raise ValueError(
@@ -135,8 +200,8 @@ class WeightSender:
             )
         if direct_bytes <= 0:
             raise ValueError(f"direct_bytes must be > 0, got {direct_bytes}")
-        self.c = _Collectives(group, src)
-        if dist.get_rank(group) != src:
+        self.c = _Collectives(group, src, abort)
+        if self.c.rank != src:
             raise ValueError(f"WeightSender must run on rank {src} of its group")
         self.bucket_bytes = bucket_bytes
         self.direct_bytes = min(direct_bytes, bucket_bytes)
@@ -181,7 +246,7 @@ class WeightSender:
                 f"{a.__cause__}); nothing was applied anywhere"
             ) from a.__cause__
         trailer = torch.tensor(sums, dtype=torch.int64, device=c.device)
-        dist.broadcast(trailer, c.src, group=c.group)
+        c.bcast(trailer)
         bad = _failed(c.vote(_STATUS_OK), c.src)
         if bad:
             raise WeightSyncError(f"version {version} not applied anywhere: {', '.join(bad)}")
@@ -200,21 +265,22 @@ class WeightSender:
         try:
             for i, (start, end, name) in enumerate(chunks):
                 if name is not None:  # straight from the tensor's memory
-                    if name not in views:
-                        views[name] = _byte_view(tensors[name].to(c.device))
+                    if name not in views:  # one at a time: a CPU source on NCCL costs its
+                        views.clear()  # largest tensor on the device (sent ones stay with
+                        views[name] = _byte_view(tensors[name].to(c.device))  # their work)
                     off = flat[name].offset
                     view = views[name][start - off : end - off]
                 else:
                     k = packed % 2
                     packed += 1
                     if busy[k] is not None:
-                        busy[k].wait()
+                        c.wait(busy[k])
                     view = self._pack_buffer(k, end - start)
                     _pack(view, start, end, tensors, slots)
                 if on_bucket is not None:
                     sums.append(bucket_checksum(view, self.algo))
                     on_bucket(i, view)
-                work = dist.broadcast(view, c.src, group=c.group, async_op=True)
+                work = c.bcast(view, async_op=True)
                 works.append(work)
                 if name is None:
                     busy[k] = work
@@ -223,9 +289,7 @@ class WeightSender:
         except BaseException as e:
             raise _Aborted(len(works)) from e
         finally:  # also on error: nothing may still read our buffers when we return
-            for w in works:
-                with contextlib.suppress(Exception):
-                    w.wait()
+            self._settle(works)
         return sums
 
     def _finish_aborted(self, chunks, posted: int) -> None:
@@ -238,12 +302,21 @@ class WeightSender:
             zeros = torch.zeros(max((e - s for s, e, _ in rest), default=0), dtype=torch.uint8,
                                 device=c.device)  # fmt: skip
             for s, e, _ in rest:
-                dist.broadcast(zeros[: e - s], c.src, group=c.group)
+                c.bcast(zeros[: e - s])
             trailer = torch.full((len(chunks),), -1, dtype=torch.int64, device=c.device)
-            dist.broadcast(trailer, c.src, group=c.group)
+            c.bcast(trailer)
             c.vote(2)
         except RuntimeError as e:
             raise WeightSyncError(f"aborting a transfer failed: {e}", transport_broken=True) from e
+
+    def _settle(self, works: list) -> None:
+        """Wait for posted chunks; after an abort they may never finish: the pack buffers they
+        read are dropped instead (the abandoned group keeps them alive as long as it needs)."""
+        for w in works:
+            with contextlib.suppress(Exception):
+                self.c.wait(w)
+        if self.c.abort is not None and self.c.abort.is_set():
+            self._buffers.clear()
 
     def _pack_buffer(self, k: int, n: int) -> torch.Tensor:
         while len(self._buffers) < 2:
@@ -287,9 +360,10 @@ class WeightReceiver:
         allow_cast: bool = False,
         keep_staging: bool = True,
         zero_copy: bool = True,
+        abort: Abort | None = None,
     ):
-        self.c = _Collectives(group, src)
-        if dist.get_rank(group) == src:
+        self.c = _Collectives(group, src, abort)
+        if self.c.rank == src:
             raise ValueError(f"WeightReceiver cannot run on the sender rank {src}")
         self.target = target
         self.apply_fn = apply_fn
@@ -330,7 +404,7 @@ class WeightReceiver:
             chunks = plan_chunks(slots, total, bucket, direct)
             sums = self._recv_chunks(staging, chunks, algo)
             trailer = torch.empty(len(chunks), dtype=torch.int64, device=c.device)
-            dist.broadcast(trailer, c.src, group=c.group)
+            c.bcast(trailer)
             ok = sums == [int(x) for x in trailer.cpu()]
             votes = c.vote(_STATUS_OK if ok else 2)
             if _failed(votes, c.src):
@@ -373,18 +447,20 @@ class WeightReceiver:
         try:
             for start, end, _ in chunks:  # verify chunk i while chunk i+1 is still arriving
                 view = staging[start:end]
-                works.append((view, dist.broadcast(view, c.src, group=c.group, async_op=True)))
+                works.append((view, c.bcast(view, async_op=True)))
                 if len(works) - len(sums) == 2:
                     v, w = works[len(sums)]
-                    w.wait()
+                    c.wait(w)
                     sums.append(bucket_checksum(v, algo))
             for v, w in works[len(sums) :]:
-                w.wait()
+                c.wait(w)
                 sums.append(bucket_checksum(v, algo))
         except BaseException:
             for _, w in works:  # nothing may write into staging after we give up
                 with contextlib.suppress(Exception):
-                    w.wait()
+                    c.wait(w)
+            if c.abort is not None and c.abort.is_set():  # abandoned writes may still land
+                self._staging = self._spare = None
             raise
         return sums
 

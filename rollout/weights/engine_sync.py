@@ -5,16 +5,22 @@ store, receive it (a broadcast group or the IPC buckets), verify, apply. The tra
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 from typing import Any
 
 import torch.distributed as dist
 
-from rollout.weights.broadcast import WeightReceiver, WeightSyncError
+from rollout.weights.broadcast import Abort, WeightReceiver, WeightSyncError
 from rollout.weights.ipc import IpcReceiver
-from rollout.weights.rendezvous import COMMITTED_KEY, GENERATION_KEY, IPC_KEY
+from rollout.weights.rendezvous import (
+    COMMITTED_KEY,
+    GENERATION_KEY,
+    IPC_KEY,
+    abort_key,
+    drop_group,
+    open_group,
+)
 from rollout.weights.state import state_dict_checksum
 
 log = logging.getLogger(__name__)
@@ -39,7 +45,9 @@ class EngineWeightSync:
         self.report_checksum = bool(info.get("report_checksum", True))
         self.store: Any = None
         self.generation: str | None = None
+        self.group: Any = None
         self.receiver: Any = None
+        self.abort: Abort | None = None
 
     def _store(self) -> Any:
         if self.store is None:
@@ -70,21 +78,30 @@ class EngineWeightSync:
             return
         self.close_group()
         number, me = gen.split(":")[0], int(self.info["rank"])
-        dist.init_process_group(
-            backend,
-            store=dist.PrefixStore(f"rollout/weight_sync/{number}/", self.store),
-            rank=ranks.index(me) + 1,
-            world_size=len(ranks) + 1,
-            timeout=datetime.timedelta(seconds=float(self.info.get("timeout_s", 300))),
-        )
-        self.generation = gen
-        self.receiver = WeightReceiver(
-            self.engine.model, apply_fn=self.engine.update_weights, allow_cast=True
-        )
+        timeout = float(self.info.get("timeout_s", 300))
+        self.group = open_group(backend, self.store, number, ranks.index(me) + 1, len(ranks) + 1,
+                                timeout)  # fmt: skip
+        self.generation, self.abort = gen, Abort()
+        self.receiver = WeightReceiver(self.engine.model, self.group,
+                                       apply_fn=self.engine.update_weights, allow_cast=True,
+                                       abort=self.abort)  # fmt: skip
+
+    def watch_abort(self) -> bool:
+        """Called while a broadcast is being received: True (and the transfer ends) once the
+        trainer gave up on this generation (a member died in it)."""
+        gen, abort = self.generation, self.abort
+        if gen is None or abort is None or abort.is_set():
+            return False
+        if self._store().check([abort_key(gen.split(":")[0])]):
+            abort.set()
+            return True
+        return False
 
     def receive(self, version: int) -> dict:
         try:
             gen, backend, ranks = self._generation()
+            if self._store().check([abort_key(gen.split(":")[0])]):
+                raise WeightSyncError("the trainer aborted this transfer", transport_broken=True)
             if backend == "ipc":
                 result = self._receive_ipc(version)
             else:
@@ -100,7 +117,10 @@ class EngineWeightSync:
             if not isinstance(e, WeightSyncError) or e.transport_broken:
                 self.close_group()
             log.warning("weight sync to version %d failed: %s", version, e)
-            return {"weight_version": int(self.engine.weight_version), "error": str(e)}
+            info = {"weight_version": int(self.engine.weight_version), "error": str(e)}
+            if info["weight_version"] == version and self.report_checksum:
+                info["checksum"] = state_dict_checksum(self.engine.model)  # applied, then a peer
+            return info  # died before the final vote: the trainer's retry counts it as done
         info = {"weight_version": int(self.engine.weight_version), "bytes": result.num_bytes,
                 "seconds": result.seconds}  # fmt: skip
         if self.report_checksum:
@@ -115,10 +135,8 @@ class EngineWeightSync:
         return receiver.receive(self._store().get(IPC_KEY), expected_version=version)
 
     def close_group(self) -> None:
-        self.generation = self.receiver = None
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+        drop_group(self.group, float(self.info.get("timeout_s", 300)))
+        self.generation = self.receiver = self.group = self.abort = None
 
     def close(self) -> None:
         self.close_group()

@@ -9,9 +9,11 @@ cluster network or one closed by a firewall to everything but the engine hosts.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
+import threading
 
 import torch.distributed as dist
 
@@ -47,3 +49,40 @@ def open_store(host: str = LOOPBACK, port: int = 0, timeout_s: float = 300.0) ->
     except BaseException:
         os.close(fd)
         raise
+
+
+def abort_key(generation: int | str) -> str:
+    """Set by the trainer when it gave up on a generation's transfer (a member died in it):
+    the engines still blocked in it abandon it (rollout.weights.broadcast.Abort)."""
+    return f"rollout/weight_sync/{generation}/aborted"
+
+
+def open_group(
+    backend: str, store: dist.Store, generation: int | str, rank: int, size: int, timeout_s: float
+) -> dist.ProcessGroup:
+    """One generation's process group, built directly (not torch's default group, nor in its
+    registry): the trainer keeps its own default group if it has one, and a group abandoned
+    after an abort, whose collectives may stay blocked until their timeout, never stands in
+    the way of the next generation's."""
+    prefixed = dist.PrefixStore(f"rollout/weight_sync/{generation}/", store)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, size, options)
+    return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+
+
+def drop_group(group: dist.ProcessGroup | None, linger_s: float) -> None:
+    """Let a group go without blocking the caller. NCCL communicators are aborted (that also
+    ends a kernel blocked on a dead peer). A gloo group's destructor waits for its collectives,
+    and one blocked on a dead peer ends only at its timeout: so a timer thread holds the last
+    reference for `linger_s` (the group's timeout) and the wait, if any, happens there."""
+    if group is None:
+        return
+    if group.name() == "nccl":
+        with contextlib.suppress(Exception):
+            group.abort()
+    keeper = threading.Timer(linger_s, list.clear, args=([group],))
+    keeper.daemon = True
+    keeper.start()

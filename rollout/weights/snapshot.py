@@ -1,9 +1,11 @@
-"""`WeightSnapshot`: the last weights pushed to the engines, so a restarted engine starts from them.
+"""`WeightSnapshot`: the last weights pushed to the engines, so an engine that starts or joins
+later gets exactly them.
 
 A restarted engine must serve the version its peers serve, not the checkpoint the cluster
 started from. The snapshot keeps the last state_dict the engines committed and writes it, once per
 version, to a safetensors file a new engine process loads over the model it builds from the
-original source (`build_engine(weights_file=...)`).
+original source (`build_engine(weights_file=...)`). An engine that joined from another host is
+sent `state_dict()` instead (the trainer's module may already be a step further: never send it).
 
 Memory: `mode="memory"` keeps one CPU copy of the weights in the trainer process (the model's
 size in its own dtype: 1 GB for 0.5B parameters in bf16) and writes the file only when an engine
@@ -55,6 +57,19 @@ class WeightSnapshot:
             if self._file is None:
                 self._write()
             return {"weights_file": str(self._file), "weight_version": self.version}
+
+    def state_dict(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """(version, its tensors by name: aliases share one tensor); None before any update.
+        Disk mode reads the file: one transient copy while the caller sends it."""
+        with self._lock:
+            if self.version is None:
+                return None
+            if self._tensors is None:
+                return self.version, load_snapshot(str(self._file))
+            tensors = dict(self._tensors)
+            for alias, name in self._aliases.items():
+                tensors[alias] = tensors[name]
+            return self.version, tensors
 
     def _write(self) -> None:
         from safetensors.torch import save_file

@@ -12,22 +12,23 @@ keys both sides use are in `rollout.weights.rendezvous`.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import datetime
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from rollout.weights.broadcast import WeightSender, WeightSyncError
+from rollout.weights.broadcast import Abort, WeightSender, WeightSyncError
 from rollout.weights.ipc import IpcSender
 from rollout.weights.rendezvous import (
     COMMITTED_KEY,
     GENERATION_KEY,
     IPC_KEY,
     LOOPBACK,
+    abort_key,
+    drop_group,
+    open_group,
     open_store,
 )
 
@@ -61,7 +62,10 @@ class TrainerWeightSync:
         self.generation = 0
         self.generation_backend: str | None = None
         self.members: list[tuple[int, int]] = []
+        self.group: Any = None
         self.sender: WeightSender | None = None
+        self._abort: Abort | None = None  # the broadcast's in flight, for abort_transfer
+        self._lock = threading.Lock()
         self.ipc: IpcSender | None = None
 
     def transport_for(self, sd: Mapping[str, torch.Tensor]) -> str:
@@ -97,7 +101,8 @@ class TrainerWeightSync:
                 result = self.send(sd, version, on_bucket)
             except BaseException as e:
                 broken = not isinstance(e, WeightSyncError) or e.transport_broken
-                if broken:  # rebuild the group next time (a new generation)
+                if broken:  # engines still in it give up; the next update forms a new group
+                    self._mark_aborted(f"the trainer's side failed: {e}")
                     self.broken()
                 infos = _result(ack, self.timeout_s)
                 if not isinstance(e, Exception):  # Ctrl-C / SystemExit: engines are safe, go on
@@ -106,6 +111,7 @@ class TrainerWeightSync:
                     f"weight update to version {version} failed ({e}); engines report "
                     f"{ {r: i.get('weight_version') for r, i in infos.items()} }",
                     transport_broken=broken,
+                    acks=infos,
                 ) from e
         return _result(ack, self.timeout_s), result.seconds if result is not None else 0.0
 
@@ -161,27 +167,42 @@ class TrainerWeightSync:
         self.store.set(COMMITTED_KEY, str(version))
 
     def send(self, sd: dict[str, torch.Tensor], version: int, on_bucket: Any) -> Any:
+        """Broadcast `sd` to this generation's group (formed on first use); `abort_transfer`
+        ends it from another thread once the group has formed."""
         if self.sender is None:
-            if dist.is_initialized():
-                raise RuntimeError(
-                    "torch.distributed is already initialised in the trainer process; engine "
-                    "weight sync needs the default group for itself (not supported yet)"
-                )
-            dist.init_process_group(
-                self.backend,
-                store=dist.PrefixStore(f"rollout/weight_sync/{self.generation}/", self.store),
-                rank=0,
-                world_size=len(self.members) + 1,
-                timeout=datetime.timedelta(seconds=self.timeout_s),
-            )
-            self.sender = WeightSender(bucket_bytes=self.bucket_bytes)
-        return self.sender.send(sd, version, on_bucket)
+            self.group = open_group(self.backend, self.store, self.generation, 0,
+                                    len(self.members) + 1, self.timeout_s)  # fmt: skip
+            self.sender = WeightSender(self.group, bucket_bytes=self.bucket_bytes, abort=Abort())
+        with self._lock:
+            self._abort = self.sender.c.abort
+        try:
+            return self.sender.send(sd, version, on_bucket)
+        finally:
+            with self._lock:
+                self._abort = None
+
+    def abort_transfer(self, why: str) -> bool:
+        """Another thread's word that a member died: end the broadcast in flight now. The
+        trainer's waits return at once, the engines' when they see the generation's abort key
+        in the store; the group is abandoned (the caller's retry forms another). False when no
+        broadcast is in flight."""
+        with self._lock:
+            abort = self._abort
+            if abort is None or abort.is_set():
+                return False
+            self._mark_aborted(why)
+            abort.set()
+            return True
+
+    def _mark_aborted(self, why: str) -> None:
+        """Engines blocked in this generation's broadcast end it (EngineWeightSync.watch_abort)."""
+        if self.store is not None:
+            self.store.set(abort_key(self.generation), why)
 
     def broken(self) -> None:
         self.sender = None
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+        drop_group(self.group, self.timeout_s)
+        self.group = None
 
     def close(self) -> None:
         self.broken()

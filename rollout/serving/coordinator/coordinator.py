@@ -375,6 +375,7 @@ class DataParallelInferenceCoordinator:
         )
         if self._send_engine(engine, ack) and not engine.syncing:
             self._dispatch_orphans()
+        self._announce_membership()
 
     def _dispatch_orphans(self) -> None:
         for p in list(self.orphans.values()):
@@ -386,6 +387,19 @@ class DataParallelInferenceCoordinator:
         self.router.add_engine(engine.identity, engine.rank)
         self.counters["engines_admitted_after_sync"] += 1
         self._dispatch_orphans()
+        self._announce_membership()
+
+    def membership(self) -> dict:
+        """What clients hear with every heartbeat, and at once when it changes: each live engine
+        as [rank, engine id, syncing], and the weight version. A trainer learns from it that an
+        engine joined held for weights (it catches it up) or left in the middle of an update."""
+        engines = [[e.rank, e.engine_id, e.syncing] for e in self.engines.values() if not e.stopped]
+        return {"engines": engines, "weight_version": self.weight_version}
+
+    def _announce_membership(self) -> None:
+        frame = encode(Headers.HEARTBEAT, self.membership())
+        for identity in list(self.clients):
+            self._send_client(identity, frame)
 
     # ---- control ------------------------------------------------------------------------
 
@@ -408,9 +422,10 @@ class DataParallelInferenceCoordinator:
         self.state = new_state
         self.counters["controls"] += 1
         if header is Headers.SET_WEIGHT_VERSION:
+            if fields[1] != self.weight_version:  # the same version again (a catch-up): no
+                self.router.reset_hashes()  # engine's cache changes
             self.weight_version = fields[1]
             self.weights_managed = self.weights_managed or fields[2] is not None
-            self.router.reset_hashes()
         self._next_control += 1
         seq = self._next_control
         live = [e for e in self.engines.values() if not e.stopped]
@@ -494,6 +509,7 @@ class DataParallelInferenceCoordinator:
                 "outstanding_tokens": 0 if e.syncing else self.router.load(e.identity),
                 "stopped": e.stopped,
                 "syncing": e.syncing,
+                "dispatched": e.dispatched,
                 "load": e.load,
             }
         return {
@@ -550,6 +566,7 @@ class DataParallelInferenceCoordinator:
         self.router.remove_engine(identity)
         self.counters[f"engines_{reason}"] += 1
         log.warning("engine rank %d removed (%s)", engine.rank, reason)
+        self._announce_membership()
         for seq in list(self.controls):
             pc = self.controls.get(seq)
             if pc is not None and identity in pc.waiting:
@@ -587,11 +604,12 @@ class DataParallelInferenceCoordinator:
                 self._remove_engine(e.identity, "timed_out")
             else:
                 self._send_engine(e, hb)
+        members = encode(Headers.HEARTBEAT, self.membership())  # after this tick's removals
         for c in list(self.clients.values()):
             if now - c.last_seen > cfg.client_timeout_s:
                 self._remove_client(c.identity, "timed_out")
             else:
-                self._send_client(c.identity, hb)
+                self._send_client(c.identity, members)
         for p in list(self.orphans.values()):
             if p.deadline is not None and now >= p.deadline:
                 self.request_path.fail(

@@ -22,6 +22,7 @@ class EnginePeer:
     # Joined with other weights than the trainer's current version: it takes no work until it
     # acks a SET_WEIGHT_VERSION of the current version (the trainer's next update reaches it).
     syncing: bool = False
+    dispatched: int = 0  # requests routed here (re-dispatches included)
     # Requests we aborted here and forgot, until the engine's final reply for each comes back:
     # until then its heartbeats may predate the abort, so their load is not published.
     aborting: set[int] = field(default_factory=set)

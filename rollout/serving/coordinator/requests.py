@@ -153,6 +153,7 @@ class RequestPath:
         engine = self.engines[key]
         p.engine, p.reserved = key, cost
         p.dispatches += 1
+        engine.dispatched += 1
         engine.requests.add(p.request_id)
         if self.config.schedule_output_path and len(self.schedule) < 1_000_000:
             self.schedule.append(

@@ -1,0 +1,139 @@
+"""Engines that join after an update catch up at once, and an update survives an engine dying in
+the middle of its broadcast. Real processes on loopback: `rollout serve`, `rollout engine`s that
+join it, a RolloutManager attached to them.
+
+- An engine that joins after the first update is sent the snapshot of the current version by
+  the trainer's catch-up thread and takes work at that version before any further update
+  (its ack's version and checksum, the coordinator's dispatch count, the samples' token versions
+  and greedy parity with the reference).
+- An engine SIGKILLed while the trainer is between two buckets of a broadcast: the update is
+  retried on the survivor and succeeds, the next collect works at the new version, and the
+  engine that comes back catches up the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+
+import pytest
+import torch
+from proc_io import read_until
+from test_multihost_loopback import CMD, PROMPTS, _engine, _reference, _trainer, _weights
+
+from rollout.rl.manager import RolloutManager
+from rollout.sampling import SamplingParams
+from rollout.weights.state import state_dict_checksum
+
+pytestmark = pytest.mark.timeout(120)
+
+SP = SamplingParams(temperature=0.0, num_tokens_to_generate=6, ignore_eos=True)
+
+
+class Events:
+    """The cluster's on_event stream; waits on a kind and rank without polling."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int, dict]] = []
+        self.cv = threading.Condition()
+
+    def __call__(self, kind: str, rank: int, details: dict) -> None:
+        with self.cv:
+            self.seen.append((kind, rank, details))
+            self.cv.notify_all()
+
+    def wait(self, kind: str, rank: int, timeout: float = 60.0) -> dict:
+        def found() -> dict | None:
+            return next((d for k, r, d in self.seen if (k, r) == (kind, rank)), None)
+
+        with self.cv:
+            assert self.cv.wait_for(lambda: found() is not None, timeout), (kind, rank, self.seen)
+            return found()
+
+
+@pytest.fixture
+def service(tmp_path):
+    """`rollout serve` (engine rank 0); yields (address, env, procs): procs are stopped after."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ROLLOUT_AUTH_TOKEN": "s3"}
+    serve = subprocess.Popen([*CMD, "serve", "--model", "tiny", "--dp", "1", "--policy", "round_robin"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+    procs = [serve]
+    try:
+        address = read_until(serve, r"coordinator (tcp://\S+) pid")[1]
+        yield address, env, procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _manager(address: str, dp: int, events: Events) -> RolloutManager:
+    options = {"auth_token": "s3", "sync_timeout_s": 20.0, "on_event": events,
+               "bucket_bytes": 64 << 10}  # fmt: skip
+    return RolloutManager(coordinator_address=address, dp=dp, cluster_options=options)
+
+
+def _assert_caught_up(manager: RolloutManager, events: Events, rank: int, version: int) -> None:
+    """`rank` was sent `version` by the catch-up (no update ran meanwhile) and takes work."""
+    ack = events.wait("caught_up", rank)
+    assert ack["weight_version"] == version
+    assert ack["checksum"] == state_dict_checksum(_trainer(version))
+    assert manager.version == version  # caught up from the snapshot, not by an update
+    row = manager.engine.cluster.stats()["engines"][rank]
+    assert not row["syncing"] and row["weight_version"] == version
+    before = row["dispatched"]
+    got = manager.generate(PROMPTS * 2, sampling_params=SP)  # round robin: both engines serve
+    assert [s.completion_tokens for s in got] == _reference(version) * 2
+    assert all(s.weight_versions == [version] for s in got)
+    assert manager.engine.cluster.stats()["engines"][rank]["dispatched"] - before == len(PROMPTS)
+
+
+def test_engine_joining_after_an_update_takes_work_at_the_current_version(service):
+    address, env, procs = service
+    events = Events()
+    with _manager(address, 1, events) as manager:
+        manager.update_weights(_weights(1), 1)
+        procs.append(_engine(address, 1, env))  # joins with its checkpoint's weights (version 0)
+        _assert_caught_up(manager, events, 1, 1)
+        counters = manager.engine.cluster.stats()["counters"]
+        assert counters["engines_held_for_weights"] == counters["engines_admitted_after_sync"] == 1
+        manager.update_weights(_weights(2), 2)  # later updates reach it as any member
+        assert sorted(manager.engine.last_sync) == [0, 1]
+
+
+def test_engine_killed_mid_broadcast_update_retries_on_the_survivor(service):
+    address, env, procs = service
+    procs.append(_engine(address, 1, env))
+    events = Events()
+    with _manager(address, 2, events) as manager:
+        manager.update_weights(_weights(1), 1)
+        cluster = manager.engine.cluster
+        push = cluster.update_weights
+
+        def kill_engine_1(i: int, chunk: torch.Tensor) -> None:
+            if i == 2 and procs[1].poll() is None:  # between two buckets of the broadcast
+                procs[1].send_signal(signal.SIGKILL)
+                procs[1].wait(30)
+
+        cluster.update_weights = lambda sd, v: push(sd, v, on_bucket=kill_engine_1)
+        assert manager.update_weights(_weights(2), 2) == 2
+        cluster.update_weights = push
+        acks = manager.engine.last_sync
+        assert sorted(acks) == [0] and acks[0]["weight_version"] == 2
+        assert acks[0]["checksum"] == state_dict_checksum(_trainer(2))
+        assert events.wait("left_update", 1) == {"version": 2, "attempt": 1}
+        items = [{"prompt": p, "i": i} for i, p in enumerate(PROMPTS * 2)]
+        batch = manager.collect(iter(items), len(PROMPTS), sampling_params=SP)
+        reference = _reference(2) * 2
+        assert all(s.completion_tokens == reference[s.metadata["i"]] for s in batch)
+        assert all(s.token_versions == [2] * 6 and s.max_policy_staleness == 0 for s in batch)
+
+        procs.append(_engine(address, 1, env))  # the host comes back with its initial weights
+        _assert_caught_up(manager, events, 1, 2)
