@@ -48,20 +48,16 @@ def validate_recipe(cfg: Any) -> RunConfig:
 
 
 def torchrun_problems(run: RunConfig) -> list[str]:
-    """Under torchrun (WORLD_SIZE set): each trainer rank trains whole groups, and the engine is
-    the embedded one. Engine processes take weights through rollout.weights.trainer_sync, which
-    creates and destroys torch.distributed's default group, the one the trainer ranks hold."""
+    """Under torchrun (WORLD_SIZE set) each trainer rank trains whole groups, on its own GPU."""
     if "WORLD_SIZE" not in os.environ:
         return []
-    ranks, r, errors = int(os.environ["WORLD_SIZE"]), run.rollout, []
-    if r.prompts_per_step % ranks:
-        errors.append(f"rollout.prompts_per_step={r.prompts_per_step}: must be a multiple of the "
-                      f"{ranks} trainer ranks (torchrun), which train whole groups each")  # fmt: skip
-    if r.dp > 1 or r.coordinator_address:
-        errors.append(f"rollout.dp={r.dp} / rollout.coordinator_address={r.coordinator_address}: "
-                      "under torchrun the trainer needs the embedded engine (rollout.dp=1, no "
-                      "coordinator): weight sync to engine processes takes torch.distributed's "
-                      "default group, which the trainer ranks hold")  # fmt: skip
+    ranks, errors = int(os.environ["WORLD_SIZE"]), []
+    if run.rollout.prompts_per_step % ranks:
+        errors.append(f"rollout.prompts_per_step={run.rollout.prompts_per_step}: must be a multiple "
+                      f"of the {ranks} trainer ranks (torchrun), which train whole groups each")  # fmt: skip
+    if str(run.model.device).startswith("cuda:"):
+        errors.append(f"model.device={run.model.device}: under torchrun name no index (cuda): "
+                      "each rank takes cuda:LOCAL_RANK")  # fmt: skip
     return errors
 
 

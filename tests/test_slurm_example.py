@@ -94,9 +94,11 @@ def run_job(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess
     return out
 
 
-def check_job(env: dict[str, str], out_dir: Path, engines: int, steps: int = 2) -> dict:
-    """The trainer attached to serve's engine and `engines - 1` others, trained `steps` steps
-    (weights pushed at attach and after each), and the service was stopped after it."""
+def check_job(env: dict[str, str], out_dir: Path, engines: int, trainer: str = "python -m",
+              steps: int = 2) -> dict:  # fmt: skip
+    """The trainer (started as `trainer`) attached to serve's engine and `engines - 1` others,
+    trained `steps` steps (weights pushed at attach and after each), and the service was
+    stopped after it."""
     saved = json.loads((out_dir / "metrics.json").read_text())
     rows = [r for r in saved["history"] if "train/loss" in r]
     assert len(rows) == steps and saved["summary"]["final_version"] == steps + 1
@@ -114,7 +116,7 @@ def check_job(env: dict[str, str], out_dir: Path, engines: int, steps: int = 2) 
     assert ranks == list(range(1, engines)), (job / "engines.log").read_text()
     steps_run = Path(env["FAKE_SLURM_LOG"]).read_text().splitlines()  # one srun per role
     roles = sorted(" ".join(s.split()[2:4]) for s in steps_run)
-    assert roles == ["bash -c", "python -m", "rollout serve"], steps_run
+    assert roles == sorted(["bash -c", trainer, "rollout serve"]), steps_run
     return saved
 
 
@@ -126,13 +128,16 @@ def test_script_is_valid_bash():
 @pytest.mark.timeout(240)
 def test_job_on_one_machine(tmp_path):
     """Two "nodes", two engines on the second: serve (coordinator + engine 0), one engine step
-    of two tasks (ranks 1 and 2), the trainer; overrides through OVERRIDES and the arguments."""
+    of two tasks (ranks 1 and 2), a trainer of two torchrun ranks that ends with one set of
+    weights; overrides through OVERRIDES and the arguments."""
+    from test_torchrun import rank_digests
+
     env = fake_slurm(tmp_path)
     out_dir = tmp_path / "trainer"
-    env["OVERRIDES"] = " ".join(SHORT)
-    env["ENGINES_PER_NODE"] = "2"
-    run_job(["sbatch", "--nodes=2", str(SCRIPT), f"hydra.run.dir={out_dir}"], env)
-    check_job(env, out_dir, engines=3)
+    env.update(OVERRIDES=" ".join(SHORT), ENGINES_PER_NODE="2", TRAINER_PROCS="2")
+    out = run_job(["sbatch", "--nodes=2", str(SCRIPT), f"hydra.run.dir={out_dir}"], env)
+    saved = check_job(env, out_dir, engines=3, trainer="torchrun --standalone")
+    assert set(rank_digests(out.stdout, 2).values()) == {saved["summary"]["weights_sha256"]}
     assert "ntasks=2 bash -c" in Path(env["FAKE_SLURM_LOG"]).read_text()
 
 

@@ -63,15 +63,19 @@ def check_recipe_run(stdout: str, out_dir: Path, steps: int, world: int = 2) -> 
 
 
 @pytest.mark.timeout(180)
-def test_two_ranks_train_one_model(tmp_path):
-    """`torchrun --nproc_per_node=2 -m recipes.grpo_reverse`: rank 0 generates, logs one W&B
-    run and metrics.json; both ranks train and end with identical weights."""
+@pytest.mark.parametrize("dp", [1, 2], ids=["embedded", "dp2"])
+def test_two_ranks_train_one_model(dp, tmp_path):
+    """`torchrun --nproc_per_node=2 -m recipes.grpo_reverse`: rank 0 generates (its embedded
+    engine, or 2 engine processes it pushes weights to), logs one W&B run and metrics.json;
+    both ranks train and end with identical weights."""
     out_dir = tmp_path / "run"
     args = ["--standalone", "--nproc_per_node=2", "-m", "recipes.grpo_reverse", *TINY,
-            f"logger.dir={out_dir}", f"hydra.run.dir={out_dir}"]  # fmt: skip
+            f"rollout.dp={dp}", f"logger.dir={out_dir}", f"hydra.run.dir={out_dir}"]  # fmt: skip
     out = torchrun(args)
     saved = check_recipe_run(out.stdout, out_dir, steps=3)
     assert saved["config"]["recipe"]["name"] == "grpo_reverse"
+    rows = [r for r in saved["history"] if "train/loss" in r]
+    assert all(r.get("engine/num_engines", 1) == dp for r in rows)  # embedded: no such key
     assert len(list((out_dir / "wandb").glob("offline-run-*"))) == 1  # rank 0 alone logs
     assert out.stdout.count("[grpo_reverse] reward curve") == 1
 
@@ -89,19 +93,20 @@ def test_data_parallel_update_matches_one_process(tmp_path):
 
 
 def test_torchrun_config_checks(monkeypatch):
-    """Under torchrun each rank trains whole groups (prompts_per_step a multiple of the ranks),
-    and the engine is the embedded one; without torchrun neither applies."""
-    from recipes.config import validate_recipe
-    from rollout.config import ConfigError, compose
+    """Under torchrun each rank trains whole groups (prompts_per_step a multiple of the ranks)
+    on its own device (no cuda:N for all); without torchrun neither applies."""
+    from recipes.config import torchrun_problems
+    from rollout.config import load_config
 
-    overrides = ["rollout.prompts_per_step=3", "rollout.dp=2"]
+    run = load_config(["rollout.prompts_per_step=3"])
+    run.model.device = "cuda:1"  # the check alone: this machine may have no CUDA to validate
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError) as info:
-        validate_recipe(compose(overrides))
-    assert "prompts_per_step=3: must be a multiple of the 2 trainer ranks" in str(info.value)
-    assert "rollout.dp=2" in str(info.value) and "embedded engine" in str(info.value)
+    problems = torchrun_problems(run)
+    assert len(problems) == 2, problems
+    assert "prompts_per_step=3: must be a multiple of the 2 trainer ranks" in problems[0]
+    assert "model.device=cuda:1" in problems[1]
     monkeypatch.delenv("WORLD_SIZE")
-    validate_recipe(compose(overrides))
+    assert torchrun_problems(run) == []
 
 
 def _compare_update(out: Path) -> None:

@@ -9,14 +9,14 @@ so after each optimizer step every rank holds rank 0's parameters, the ones it p
 Without torchrun (no WORLD_SIZE in the environment) `TrainerGroup.from_env` returns None and
 nothing here runs: one process trains as it always did.
 
-The trainer ranks hold torch.distributed's default group, as trainer frameworks do. Weight sync
-to engine processes (rollout.weights.trainer_sync) creates and destroys the default group of
-rank 0's process, so under torchrun the engine is the embedded one (recipes/config.py checks it).
+The trainer ranks hold torch.distributed's default group, as trainer frameworks do; weight sync
+to engine processes builds groups of its own beside it (rollout.weights.rendezvous.open_group).
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import gc
 import hashlib
 import os
@@ -31,6 +31,10 @@ from torch.nn.parallel import DistributedDataParallel
 # Dtypes a shared batch may hold, by the code its header sends (bool travels as uint8).
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool)
 MAX_DIMS = 4
+# The other ranks wait inside a collective while rank 0 warm-starts or generates a batch: minutes
+# with long rollouts, past NCCL's 10-minute default. A rank that dies ends the job through
+# torchrun, not through this timeout.
+TIMEOUT = datetime.timedelta(hours=2)
 
 
 @dataclass(frozen=True)
@@ -48,13 +52,14 @@ class TrainerGroup:
     @classmethod
     def from_env(cls, device: torch.device) -> TrainerGroup | None:
         """Join torchrun's group (env:// rendezvous) for a model on `device`: nccl and
-        cuda:LOCAL_RANK on CUDA, gloo on CPU. None without torchrun."""
+        cuda:LOCAL_RANK on CUDA (so "cuda" names this rank's GPU), gloo on CPU. None without
+        torchrun."""
         if "WORLD_SIZE" not in os.environ:
             return None
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-            torch.cuda.set_device(device)  # "cuda" now means this rank's GPU
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=TIMEOUT)
         return cls(dist.get_rank(), dist.get_world_size(), device)
 
     def close(self) -> None:
