@@ -105,7 +105,8 @@ def test_manager_attached_to_joined_engines(tmp_path):
 
             procs.append(_engine(address, 1, env))  # the host comes back with its initial weights
             _wait(lambda: 1 in engines(), 60, "the returning engine registering")
-            assert engines()[1]["syncing"]  # held: it serves version 0, the trainer is at 3
+            held = engines()[1]  # it serves version 0, the trainer is at 3
+            assert held["syncing"] and held["weight_version"] == 0
             got = manager.generate(PROMPTS * 2, sampling_params=sp)
             assert [s.completion_tokens for s in got] == _reference(3) * 2  # none went to it
             assert engines()[1]["assigned"] == 0

@@ -46,9 +46,8 @@ from rollout.weights.trainer_sync import TRANSPORTS, TrainerWeightSync
 
 log = logging.getLogger(__name__)
 
-MAX_SYNC_ATTEMPTS = (
-    3  # tries of one update; each retry leaves out the engines that died in the last
-)
+# Tries of one update: each retry leaves out the engines that died in the last one.
+MAX_SYNC_ATTEMPTS = 3
 CATCH_UP_BACKOFF_S = (1.0, 30.0)  # a failed catch-up is tried again after 1, 2, 4... <= 30 s
 
 
@@ -63,7 +62,9 @@ class EngineCluster:
     are kept for them (see rollout.weights.snapshot for the memory cost); None keeps none.
     `weight_sync_transport`: "broadcast" (a process group), "ipc" (engines map the trainer's
     buckets: same host, see rollout.weights.ipc) or "auto" (ipc for updates whose tensors sit on
-    the engines' CUDA device, broadcast otherwise). `on_event(kind, rank, details)` hears of engine exits, restarts and give-ups (called on the supervisor thread).
+    the engines' CUDA device, broadcast otherwise). `on_event(kind, rank, details)` hears of
+    engine exits, restarts and give-ups (on the supervisor thread), of engines lost during an
+    update ("left_update") and of engines caught up ("caught_up", details = the ack).
     `worker_options` are extra EngineWorker kwargs (e.g. coordinator_timeout_s).
 
     `attach="tcp://HOST:PORT"`: join a running coordinator (`rollout serve`, engines started

@@ -78,7 +78,7 @@ class SyncResult:
 
 
 class Abort:
-    """Raised by another thread to end a transfer now: every wait of the transfer returns and
+    """Set by another thread to end a transfer now: every wait of the transfer returns and
     raises WeightSyncError (transport broken). A collective blocked on a dead peer cannot be
     interrupted (gloo waits for its timeout, whoever closes what), so the transfer abandons
     its group instead; the caller builds another for the next try."""

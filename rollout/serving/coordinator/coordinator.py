@@ -473,8 +473,8 @@ class DataParallelInferenceCoordinator:
         load = fields[0]
         engine.load = load
         version = load.get("weight_version")
-        if type(version) is int:  # the engine's own word (it may have adopted our label)
-            engine.weight_version = version
+        if type(version) is int and not engine.syncing:  # the engine's own word (it may have
+            engine.weight_version = version  # adopted our label; a held one keeps its own)
         tokens = load.get("outstanding_tokens")
         if type(tokens) is int and not engine.aborting:  # else it may count aborted requests
             self.router.publish_load(engine.identity, tokens)
