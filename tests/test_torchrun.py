@@ -22,11 +22,12 @@ from recipes.common import TRAIN_KEYS, grpo_update
 
 ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
-# A few seconds of recipe: 2 groups (one per rank) x 4 samples, 3 RL steps, micro-batches of 2.
+# A few seconds of recipe: 4 groups (two per rank) x 4 samples, 3 RL steps, micro-batches of 4.
+# The warm start is long enough for groups with unequal rewards, so that steps are taken.
 TINY = [
-    "trainer.steps=3", "trainer.warmup_sft_steps=2", "trainer.batch=2",
-    "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=6",
-    "recipe.eval_every=2", "recipe.eval_prompts=4",
+    "trainer.steps=3", "trainer.warmup_sft_steps=300", "trainer.warmup_sft_lr=0.003",
+    "trainer.batch=4", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
+    "rollout.max_new_tokens=6", "recipe.eval_every=2", "recipe.eval_prompts=4",
 ]  # fmt: skip
 DIGEST = r"\[(\w+)\] rank (\d+)/(\d+) weights sha256 ([0-9a-f]{64})"
 
@@ -76,6 +77,7 @@ def test_two_ranks_train_one_model(dp, tmp_path):
     assert saved["config"]["recipe"]["name"] == "grpo_reverse"
     rows = [r for r in saved["history"] if "train/loss" in r]
     assert all(r.get("engine/num_engines", 1) == dp for r in rows)  # embedded: no such key
+    assert not all(r["train/skipped_step"] for r in rows)  # the weights did move
     assert len(list((out_dir / "wandb").glob("offline-run-*"))) == 1  # rank 0 alone logs
     assert out.stdout.count("[grpo_reverse] reward curve") == 1
 
