@@ -9,14 +9,19 @@ join it, a RolloutManager attached to them.
 - An engine SIGKILLed while the trainer is between two buckets of a broadcast: the update is
   retried on the survivor and succeeds, the next collect works at the new version, and the
   engine that comes back catches up the same way.
+- Under that retry, two processes and no coordinator: the trainer's abort (the generation's
+  store key plus `broadcast.Abort`) ends a receive waiting on a silent peer at once, not at the
+  group's timeout, nothing is applied, and the next generation's group carries the update.
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import signal
 import subprocess
 import threading
+import time
 
 import pytest
 import torch
@@ -25,6 +30,8 @@ from test_multihost_loopback import CMD, PROMPTS, _engine, _reference, _trainer,
 
 from rollout.rl.manager import RolloutManager
 from rollout.sampling import SamplingParams
+from rollout.weights.broadcast import Abort, WeightReceiver, WeightSender, WeightSyncError
+from rollout.weights.rendezvous import abort_key, open_group, open_store
 from rollout.weights.state import state_dict_checksum
 
 pytestmark = pytest.mark.timeout(120)
@@ -137,3 +144,61 @@ def test_engine_killed_mid_broadcast_update_retries_on_the_survivor(service):
 
         procs.append(_engine(address, 1, env))  # the host comes back with its initial weights
         _assert_caught_up(manager, events, 1, 2)
+
+
+NUMEL = 64 << 10  # 256 KiB of float32: four 64 KiB buckets
+GROUP_TIMEOUT_S = 30.0
+
+
+def _receiver(port: int, out: mp.Queue) -> None:
+    """An engine's side: receive generation 1 until the trainer aborts it (watched through a
+    store client of its own, as a worker does), then receive generation 2."""
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=False)
+    watcher = torch.distributed.TCPStore("127.0.0.1", port, is_master=False)
+    abort = Abort()
+
+    def watch() -> None:
+        watcher.wait([abort_key(1)])
+        abort.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    target = {"w": torch.zeros(NUMEL)}
+    group = open_group("gloo", store, 1, 1, 2, GROUP_TIMEOUT_S)
+    t0 = time.monotonic()
+    try:
+        WeightReceiver(target, group, abort=abort).receive()
+        out.put("applied")
+    except WeightSyncError as e:
+        out.put((e.transport_broken, time.monotonic() - t0, bool(target["w"].any())))
+    WeightReceiver(target, open_group("gloo", store, 2, 1, 2, GROUP_TIMEOUT_S)).receive()
+    out.put(float(target["w"].sum()))
+
+
+def test_trainer_abort_ends_a_receive_waiting_on_a_silent_peer_and_the_next_group_works():
+    store = open_store(timeout_s=GROUP_TIMEOUT_S)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    child = ctx.Process(target=_receiver, args=(store.port, out), daemon=True)
+    child.start()
+    try:
+        abort = Abort()
+        sender = WeightSender(open_group("gloo", store, 1, 0, 2, GROUP_TIMEOUT_S),
+                              bucket_bytes=64 << 10, abort=abort)  # fmt: skip
+
+        def member_died(i: int, chunk: torch.Tensor) -> None:
+            if i == 1:  # what TrainerWeightSync.abort_transfer does
+                store.set(abort_key(1), "a member died")
+                abort.set()
+
+        with pytest.raises(WeightSyncError) as raised:
+            sender.send({"w": torch.ones(NUMEL)}, 1, member_died)
+        assert raised.value.transport_broken
+        broken, seconds, changed = out.get(timeout=GROUP_TIMEOUT_S)
+        assert broken and seconds < GROUP_TIMEOUT_S / 3 and not changed
+        group = open_group("gloo", store, 2, 0, 2, GROUP_TIMEOUT_S)
+        WeightSender(group, bucket_bytes=64 << 10).send({"w": torch.ones(NUMEL)}, 1)
+        assert out.get(timeout=GROUP_TIMEOUT_S) == NUMEL
+    finally:
+        child.join(GROUP_TIMEOUT_S)
+        if child.is_alive():
+            child.kill()
