@@ -41,8 +41,12 @@ class WeightSnapshot:
         self._lock = threading.Lock()
 
     def save(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Keep `state_dict` as `version` (copied: the trainer goes on changing its tensors)."""
-        tensors, aliases = _unique_cpu_copies(state_dict)
+        """Keep `state_dict` as `version` (copied: the trainer goes on changing its tensors).
+        Memory mode copies into the last version's tensors where they fit: fresh host pages
+        cost a fault and a zeroed page each, several times the copy itself."""
+        with self._lock:  # emptied while refilled: a failed copy leaves no mixed version
+            kept, self._tensors, self.version = self._tensors, None, None
+        tensors, aliases = _unique_cpu_copies(state_dict, kept or {})
         with self._lock:
             self.version, self._tensors, self._aliases, self._file = version, tensors, aliases, None
             if self.mode == "disk":
@@ -88,9 +92,10 @@ class WeightSnapshot:
 
 
 def _unique_cpu_copies(
-    state_dict: Mapping[str, torch.Tensor],
+    state_dict: Mapping[str, torch.Tensor], reuse: Mapping[str, torch.Tensor]
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """CPU copies, one per distinct tensor; aliases (same storage, shape, strides) by name."""
+    """CPU copies, one per distinct tensor, into `reuse[name]` where shape and dtype match;
+    aliases (same storage, shape, strides) by name."""
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple, str] = {}
@@ -101,7 +106,11 @@ def _unique_cpu_copies(
             aliases[name] = seen[key]
             continue
         seen[key] = name
-        tensors[name] = t.to("cpu", copy=True).contiguous()
+        old = reuse.get(name)
+        if old is not None and old.shape == t.shape and old.dtype == t.dtype:
+            tensors[name] = old.copy_(t)
+        else:
+            tensors[name] = t.to("cpu", copy=True).contiguous()
     return tensors, aliases
 
 
