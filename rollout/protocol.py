@@ -37,7 +37,9 @@ Message catalogue (C = client, Co = coordinator, E = engine); `SCHEMA` is author
                                engine started without one joins the sync group from it)
     CONTROL_ACK        E->Co, Co->C   [control_id, signal, info(dict)]
     ERROR              Co->C/E  [ref_header | None, ref_id | None, message]
-    HEARTBEAT          any      [load(dict)]   (engines publish waiting/running/kv_usage/outstanding_tokens)
+    HEARTBEAT          any      [load(dict)]   (engines publish waiting/running/kv_usage/outstanding_tokens;
+                               to clients the coordinator sends its membership: {engines:
+                               [[rank, engine id, syncing]], weight_version})
     KV_EVENTS          E->Co    [evicted_hashes(packed int64), reset]
     STATS              C->Co    [stats_id]      STATS_REPLY Co->C [stats_id, stats(dict)]
     DISCONNECT         C/E->Co  []

@@ -5,8 +5,10 @@ from __future__ import annotations
 import datetime
 
 import psutil
+import torch
 import torch.distributed as dist
 
+from rollout.weights import rendezvous
 from rollout.weights.rendezvous import open_store
 from rollout.weights.trainer_sync import TrainerWeightSync
 
@@ -38,3 +40,16 @@ def test_the_trainer_side_of_weight_sync_binds_loopback():
         assert sync.worker_info(0)["host"] == "127.0.0.1"
     finally:
         sync.close()
+
+
+def test_gloo_binds_the_address_facing_the_peers():
+    """Gloo's default is the hostname's address (loopback on many hosts, useless to a peer on
+    another host): each side names its own address instead, unless the interface is a wildcard."""
+    assert rendezvous.local_address_towards("127.0.0.1", 29500) == "127.0.0.1"
+    assert rendezvous.gloo_host_of_trainer("10.1.2.3") == "10.1.2.3"
+    assert rendezvous.gloo_host_of_trainer("0.0.0.0") is None
+    store = rendezvous.open_store()
+    group = rendezvous.open_group("gloo", store, "bind-test", 0, 1, 10.0, local_host="127.0.0.1")
+    t = torch.ones(3)
+    group.broadcast([t]).wait()
+    assert t.tolist() == [1.0, 1.0, 1.0]

@@ -19,6 +19,7 @@ from rollout.weights.rendezvous import (
     IPC_KEY,
     abort_key,
     drop_group,
+    local_address_towards,
     open_group,
 )
 from rollout.weights.state import state_dict_checksum
@@ -79,8 +80,9 @@ class EngineWeightSync:
         self.close_group()
         number, me = gen.split(":")[0], int(self.info["rank"])
         timeout = float(self.info.get("timeout_s", 300))
+        here = local_address_towards(self.info["host"], int(self.info["port"]))
         self.group = open_group(backend, self.store, number, ranks.index(me) + 1, len(ranks) + 1,
-                                timeout)  # fmt: skip
+                                timeout, local_host=here)  # fmt: skip
         self.generation, self.abort = gen, Abort()
         self.receiver = WeightReceiver(self.engine.model, self.group,
                                        apply_fn=self.engine.update_weights, allow_cast=True,

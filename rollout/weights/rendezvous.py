@@ -58,19 +58,49 @@ def abort_key(generation: int | str) -> str:
 
 
 def open_group(
-    backend: str, store: dist.Store, generation: int | str, rank: int, size: int, timeout_s: float
+    backend: str,
+    store: dist.Store,
+    generation: int | str,
+    rank: int,
+    size: int,
+    timeout_s: float,
+    local_host: str | None = None,
 ) -> dist.ProcessGroup:
     """One generation's process group, built directly (not torch's default group, nor in its
     registry): the trainer keeps its own default group if it has one, and a group abandoned
     after an abort, whose collectives may stay blocked until their timeout, never stands in
-    the way of the next generation's."""
+    the way of the next generation's.
+
+    `local_host`: the address gloo binds and tells its peers. Left to itself gloo takes the
+    address the hostname resolves to, which is loopback on many machines (Debian's 127.0.1.1),
+    so peers on other hosts could never connect. `GLOO_SOCKET_IFNAME`, when set, wins."""
     prefixed = dist.PrefixStore(f"rollout/weight_sync/{generation}/", store)
     timeout = datetime.timedelta(seconds=timeout_s)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(prefixed, rank, size, options)
-    return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+    if local_host is None or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]
+    return dist.ProcessGroupGloo(prefixed, rank, size, options)
+
+
+def local_address_towards(host: str, port: int) -> str:
+    """This machine's address on the route to `host` (what a peer there can reach us at): the
+    source address the kernel picks for a UDP socket connected to it (no packet is sent)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((host, port))
+        return s.getsockname()[0]
+
+
+def gloo_host_of_trainer(host: str) -> str | None:
+    """The address the trainer's gloo binds: the store's own interface, unless that is a
+    wildcard (then gloo's default, or GLOO_SOCKET_IFNAME)."""
+    return None if host in ("0.0.0.0", "::", "") else host
 
 
 def drop_group(group: dist.ProcessGroup | None, linger_s: float) -> None:

@@ -28,6 +28,7 @@ from rollout.weights.rendezvous import (
     LOOPBACK,
     abort_key,
     drop_group,
+    gloo_host_of_trainer,
     open_group,
     open_store,
 )
@@ -171,7 +172,8 @@ class TrainerWeightSync:
         ends it from another thread once the group has formed."""
         if self.sender is None:
             self.group = open_group(self.backend, self.store, self.generation, 0,
-                                    len(self.members) + 1, self.timeout_s)  # fmt: skip
+                                    len(self.members) + 1, self.timeout_s,
+                                    local_host=gloo_host_of_trainer(self.host))  # fmt: skip
             self.sender = WeightSender(self.group, bucket_bytes=self.bucket_bytes, abort=Abort())
         with self._lock:
             self._abort = self.sender.c.abort
