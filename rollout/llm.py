@@ -5,7 +5,10 @@ runs `engine.step()` to completion, and lifecycle methods raise RuntimeError.
 
 Coordinator mode (`use_coordinator=True`) starts a coordinator and `data_parallel_size` engine
 processes (`rollout.serving.cluster.EngineCluster`; every engine loads the same weights) and
-talks to them through an `InferenceClient` on the cluster's background event loop. `generate`
+talks to them through an `InferenceClient` on the cluster's background event loop. With
+`coordinator_address="tcp://HOST:PORT"` it attaches to a running service instead (`rollout
+serve`, engines joined from any host; `model` may be None): it waits for
+`data_parallel_size` engines, spawns nothing, and `shutdown` leaves the service running. `generate`
 submits every prompt and gathers the records in input order; pause/unpause/suspend/resume
 resolve only when every engine acknowledged; `update_weights` broadcasts new weights;
 `shutdown` leaves no process behind.
@@ -62,7 +65,7 @@ def _retrieve(fut: asyncio.Future) -> None:
 class _LLMBase:
     def __init__(
         self,
-        model: nn.Module | str,
+        model: nn.Module | str | None,
         tokenizer: Any,
         inference_config: InferenceConfig | None = None,
         use_coordinator: bool = False,
@@ -73,9 +76,14 @@ class _LLMBase:
         suspend_mode: str = "offload",
         seed: int = 0,
         cluster_options: dict[str, Any] | None = None,
+        coordinator_address: str | None = None,
     ) -> None:
         """`cluster_options` are further EngineCluster arguments in coordinator mode (e.g.
-        `restart={"max_restarts": 0}`, `weight_sync_transport="broadcast"`)."""
+        `restart={"max_restarts": 0}`, `weight_sync_transport="broadcast"`,
+        `weight_sync_host=...` when attached)."""
+        if coordinator_address is not None:
+            use_coordinator = True
+            cluster_options = {**(cluster_options or {}), "attach": coordinator_address}
         self.use_coordinator = bool(use_coordinator)
         self.tokenizer = tokenizer
         self.suspend_mode = suspend_mode

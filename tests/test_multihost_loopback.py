@@ -128,3 +128,37 @@ def test_manager_attached_to_joined_engines(tmp_path):
                 p.wait(30)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def test_llm_attached_to_a_running_service(tmp_path):
+    """`LLM(coordinator_address=...)`: the same attach for plain inference and weight pushes;
+    shutting it down leaves the service serving."""
+    from rollout.llm import LLM
+    from rollout.tokenizers import ByteTokenizer
+
+    secret = tmp_path / "token"
+    secret.write_text("s4\n")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    serve = subprocess.Popen([*CMD, "serve", "--model", "tiny", "--dp", "1",
+                              "--auth-token-file", str(secret)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+    sp = SamplingParams(temperature=0.0, num_tokens_to_generate=6, ignore_eos=True)
+    try:
+        address = read_until(serve, r"coordinator (tcp://\S+) pid")[1]
+        llm = LLM(None, ByteTokenizer(), coordinator_address=address, auth_token="s4",
+                  cluster_options={"sync_timeout_s": 20.0})  # fmt: skip
+        try:
+            assert [r.generated_tokens for r in llm.generate(PROMPTS, sp)] == _reference(0)
+            llm.update_weights(_weights(1), 1)
+            got = llm.generate(PROMPTS, sp)
+            assert [r.generated_tokens for r in got] == _reference(1)
+            assert llm.cluster.attached == address
+        finally:
+            llm.shutdown()
+        assert serve.poll() is None
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        try:
+            serve.wait(30)
+        except subprocess.TimeoutExpired:
+            serve.kill()
