@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from proc_io import read_until
+from proc_io import read_until, stop_all
 from reference import greedy
 
 from rollout.models import build_model
@@ -120,14 +120,7 @@ def test_manager_attached_to_joined_engines(tmp_path):
         # closing the attached manager leaves the service running
         assert serve.poll() is None and procs[2].poll() is None
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)
 
 
 def test_llm_attached_to_a_running_service(tmp_path):
@@ -157,8 +150,4 @@ def test_llm_attached_to_a_running_service(tmp_path):
             llm.shutdown()
         assert serve.poll() is None
     finally:
-        serve.send_signal(signal.SIGTERM)
-        try:
-            serve.wait(30)
-        except subprocess.TimeoutExpired:
-            serve.kill()
+        stop_all([serve])

@@ -25,7 +25,7 @@ import time
 
 import pytest
 import torch
-from proc_io import read_until
+from proc_io import read_until, stop_all
 from test_multihost_loopback import CMD, PROMPTS, _engine, _reference, _trainer, _weights
 
 from rollout.rl.manager import RolloutManager
@@ -71,14 +71,7 @@ def service(tmp_path):
         address = read_until(serve, r"coordinator (tcp://\S+) pid")[1]
         yield address, env, procs
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)
 
 
 def _manager(address: str, dp: int, events: Events) -> RolloutManager:
