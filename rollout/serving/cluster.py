@@ -3,25 +3,24 @@
 It spawns the coordinator and N `EngineWorker`s (spawn context), waits until every engine
 registered, keeps a client on the loop, supervises the engines (`EngineSupervisor`: a dead one
 restarts from the last weights pushed, `WeightSnapshot`), pushes weights to the engines that are
-serving (`update_weights`: a SET_WEIGHT_VERSION control through the coordinator tells every worker
-to receive this version now, either by joining the trainer's gloo/NCCL group for a bucketed
-broadcast or, when they share the trainer's device, by mapping the buckets the trainer shared
-(rollout.weights.ipc); `rollout.weights.trainer_sync.TrainerWeightSync` is the trainer's side of
-both), and tears it all down: STOP, SHUTDOWN, join with timeouts, then SIGTERM/SIGKILL.
+serving (`update_weights`, through its `WeightUpdates` (rollout.serving.weight_updates): a
+SET_WEIGHT_VERSION control through the coordinator tells every worker to receive this version
+now, either by joining the trainer's gloo/NCCL group for a bucketed broadcast or, when they share
+the trainer's device, by mapping the buckets the trainer shared (rollout.weights.ipc);
+`rollout.weights.trainer_sync.TrainerWeightSync` is the trainer's side of both), and tears it all
+down: STOP, SHUTDOWN, join with timeouts, then SIGTERM/SIGKILL.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
-import concurrent.futures
 import contextlib
 import dataclasses
 import logging
 import multiprocessing as mp
 import shutil
 import tempfile
-import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -38,17 +37,13 @@ from rollout.serving.event_loop import EventLoopManager
 from rollout.serving.factory import build_engine, model_source_kwargs
 from rollout.serving.processes import stop_processes
 from rollout.serving.supervisor import EngineSupervisor, Event, RestartPolicy
+from rollout.serving.weight_updates import WeightUpdates
 from rollout.serving.worker import EngineWorker
-from rollout.weights.broadcast import WeightSyncError
 from rollout.weights.snapshot import WeightSnapshot
 from rollout.weights.state import as_state_dict
 from rollout.weights.trainer_sync import TRANSPORTS, TrainerWeightSync
 
 log = logging.getLogger(__name__)
-
-# Tries of one update: each retry leaves out the engines that died in the last one.
-MAX_SYNC_ATTEMPTS = 3
-CATCH_UP_BACKOFF_S = (1.0, 30.0)  # a failed catch-up is tried again after 1, 2, 4... <= 30 s
 
 
 class EngineCluster:
@@ -145,17 +140,10 @@ class EngineCluster:
         keep = self.restart_policy.max_restarts > 0 or attach is not None
         self.snapshot = (WeightSnapshot(self._tmp, weights_snapshot)
                          if weight_sync and keep and weights_snapshot is not None else None)  # fmt: skip
-        self.last_catch_up: dict[int, dict] = {}  # the acks of the last catch-up
-        self.sync_counters = dict.fromkeys(
-            ("engines_caught_up", "update_retries", "engines_lost_in_update"), 0
-        )
-        self._catch_up_wanted = threading.Event()
-        self._closing = threading.Event()  # wakes a catch-up backoff at close
-        self._catch_up_thread: threading.Thread | None = None
+        self.weights = WeightUpdates(self)
         self.supervisor: EngineSupervisor | None = None
         self.on_event = on_event
         self.worker_options = dict(worker_options or {})
-        self._update_lock = threading.Lock()  # one update at a time; restarts read its result
         self._closed = False
         ref = weakref.ref(self)
         self._atexit = lambda: (c := ref()) is not None and c.close()
@@ -222,13 +210,13 @@ class EngineCluster:
         coordinator = self.coordinator_process
         if coordinator is None or not coordinator.is_alive():
             raise RuntimeError("the coordinator is gone")
-        while not self._update_lock.acquire(timeout=0.5):
+        while not self.weights.lock.acquire(timeout=0.5):
             if self.supervisor is None or self.supervisor.stopping:
                 raise RuntimeError("the cluster is closing")
         try:
             return self._spawn_engine(rank, {**self.factory_kwargs, **self._current_weights()})
         finally:
-            self._update_lock.release()
+            self.weights.lock.release()
 
     def _current_weights(self) -> dict[str, Any]:
         """build_engine kwargs for the weights the engines serve now."""
@@ -271,7 +259,7 @@ class EngineCluster:
                     self.supervise()
                 else:  # the service's version is where this trainer's updates continue from
                     self.factory_kwargs["weight_version"] = int(stats["weight_version"] or 0)
-                    self._start_catch_up()
+                    self.weights.start_catch_up()
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"engines not registered within {self.ready_timeout_s}s")
@@ -308,202 +296,33 @@ class EngineCluster:
 
         Dead engines are left out (they restart from these weights, or catch up when they come
         back); an engine that dies mid-transfer costs a retry on the survivors
-        (`_push_to_survivors`); an engine that joined meanwhile with older weights is retired and
+        (`WeightUpdates.push_to_survivors`); an engine that joined meanwhile with older weights is retired and
         restarted (spawned) or caught up (attached). So no engine serves older weights afterwards.
         """
         if self.sync is None:
             raise RuntimeError("this cluster was started with weight_sync=False")
-        sd = as_state_dict(source)
-        with self._update_lock:
-            infos = self._push_to_survivors(sd, version, self._serving_engines(), on_bucket)
-            if self.snapshot is not None:
-                self.snapshot.save(sd, version)
-            self.sync.commit(version)
-            self._retire_stale(version)
-        return infos
+        return self.weights.update(as_state_dict(source), version, on_bucket)
 
-    def _push_to_survivors(
-        self,
-        sd: dict[str, torch.Tensor],
-        version: int,
-        members: list[tuple[int, int]],
-        on_bucket: Any,
-    ) -> dict[int, dict]:
-        """`_push` to `members`; when engines die during a transfer (the group broke and they
-        left the coordinator or their process is gone), again to the rest, up to
-        MAX_SYNC_ATTEMPTS tries. All-or-nothing per engine: a survivor that applied the version
-        before the group broke (its ack says so) is done, the others still serve the previous
-        one and take the retry. Raises WeightSyncError when no engine is left or tries run out."""
-        done: dict[int, dict] = {}
-        lost: list[int] = []
-        for attempt in range(1, MAX_SYNC_ATTEMPTS + 1):
-            if attempt > 1:
-                self.sync_counters["update_retries"] += 1
-            try:
-                infos = {**done, **self._push(sd, version, members, on_bucket)}
-                _check_agreement(infos, version)
-                return infos
-            except WeightSyncError as e:
-                alive = set(self._serving_engines())
-                dead = [m for m in members if m not in alive]
-                if not e.transport_broken or not dead:
-                    raise
-                self._lost_in_update(dead, version, attempt)
-                lost += [r for r, _ in dead]
-                ranks = {r for r, _ in members}
-                done.update({int(r): i for r, i in e.acks.items() if int(r) in ranks
-                             and i.get("weight_version") == version and "lost" not in i})  # fmt: skip
-                members = [m for m in members if m in alive and m[0] not in done]
-                last = e
-            if not members:
-                break
-        if done and not members:
-            _check_agreement(done, version)
-            return done
-        why = ("every engine it was sent to died during the transfer" if not members else
-               f"gave up after {MAX_SYNC_ATTEMPTS} attempts, engines died in each")  # fmt: skip
-        raise WeightSyncError(f"weight update to version {version}: {why} (ranks {sorted(lost)}); "
-                              f"last failure: {last}", transport_broken=True) from last  # fmt: skip
+    def catch_up(self) -> dict[int, dict]:
+        """Attached: send the engines held for weights the last pushed version now
+        (`WeightUpdates.catch_up`; the background thread does it when they join)."""
+        return self.weights.catch_up()
 
-    def _lost_in_update(self, dead: list[tuple[int, int]], version: int, attempt: int) -> None:
-        self.sync_counters["engines_lost_in_update"] += len(dead)
-        for rank, _ in dead:
-            self._event("left_update", rank, {"version": version, "attempt": attempt})
+    @property
+    def sync_counters(self) -> dict[str, int]:
+        return self.weights.counters
 
-    def _event(self, kind: str, rank: int, details: dict) -> None:
+    @property
+    def last_catch_up(self) -> dict[int, dict]:
+        return self.weights.last_catch_up
+
+    def event(self, kind: str, rank: int, details: dict) -> None:
+        """Tell `on_event` (a listener's bug never fails the caller)."""
         if self.on_event is not None:
             try:
                 self.on_event(kind, rank, details)
-            except Exception:  # a listener's bug must not fail the update
+            except Exception:
                 log.exception("on_event(%r, %d) failed", kind, rank)
-
-    # ---- catching up engines that joined after the last update (attached) -----------------
-
-    def _start_catch_up(self) -> None:
-        """Attached with a snapshot: watch the coordinator's heartbeats for engines held for
-        weights, and catch them up from a thread of their own."""
-        if self.snapshot is None or self.sync is None or self._catch_up_thread is not None:
-            return
-
-        def heard(membership: dict) -> None:
-            if any(isinstance(e, list) and len(e) == 3 and e[2] for e in membership["engines"]):
-                self._catch_up_wanted.set()
-
-        self.client.membership_callbacks.append(heard)
-        self._catch_up_thread = threading.Thread(target=self._catch_up_loop,
-                                                 name="rollout-catch-up", daemon=True)  # fmt: skip
-        self._catch_up_thread.start()
-
-    def _catch_up_loop(self) -> None:
-        failures = 0
-        while True:
-            self._catch_up_wanted.wait()
-            if self._closed:
-                return
-            self._catch_up_wanted.clear()
-            try:
-                self.catch_up()
-                failures = 0
-            except Exception as e:  # the engine stays held; the next heartbeat names it again
-                if self._closed:
-                    return
-                failures += 1
-                delay = min(CATCH_UP_BACKOFF_S[1], CATCH_UP_BACKOFF_S[0] * 2 ** (failures - 1))
-                log.warning("catching up joined engines failed (%s); again in %.0fs", e, delay)
-                if self._closing.wait(delay):
-                    return
-
-    def catch_up(self) -> dict[int, dict]:
-        """Send every engine the coordinator holds for weights (joined, or back, after the last
-        update) the version the others serve, from the snapshot (never the trainer's module: it
-        may be a step further). Serialised with updates; returns their acks ({} when none is
-        held, before the first update, or when the coordinator announced another version)."""
-        with self._update_lock:
-            stats = self.stats()
-            held = sorted((int(r), int(e["engine_id"])) for r, e in stats["engines"].items()
-                          if e["syncing"] and not e["stopped"])  # fmt: skip
-            snap = self.snapshot.state_dict() if held and self.snapshot is not None else None
-            if snap is None or snap[0] != stats["weight_version"]:
-                return {}
-            version, sd = snap
-            infos = self._push_to_survivors(sd, version, held, None)
-        self.last_catch_up = infos
-        self.sync_counters["engines_caught_up"] += len(infos)
-        for rank, info in infos.items():
-            self._event("caught_up", rank, info)
-        return infos
-
-    def _serving_engines(self) -> list[tuple[int, int]]:
-        """(rank, pid) of each engine whose process is alive and registered with the
-        coordinator: a restarted engine is a new member even under its old rank. Attached:
-        (rank, the coordinator's engine id) of each registered engine, wherever it runs."""
-        engines = self.stats()["engines"]
-        if self.attached is not None:
-            return sorted((int(r), int(e["engine_id"])) for r, e in engines.items()
-                          if not e["stopped"])  # fmt: skip
-        procs = [(int(r), self.engine_processes[int(r)]) for r, e in engines.items()
-                 if not e["stopped"]]  # fmt: skip
-        return sorted((r, p.pid) for r, p in procs if p.is_alive())
-
-    def _push(
-        self,
-        sd: dict[str, torch.Tensor],
-        version: int,
-        members: list[tuple[int, int]],
-        on_bucket: Any,
-    ) -> dict[int, dict]:
-        def announce() -> concurrent.futures.Future:
-            rendezvous = self.sync.rendezvous()
-            return self.loop.submit(
-                self._control(lambda: self.client.set_weight_version(version, rendezvous))
-            )
-
-        with self._abort_on_loss(members):
-            infos, transport, seconds = self.sync.transfer(sd, version, members, on_bucket,
-                                                           announce)  # fmt: skip
-        ranks = {r for r, _ in members}
-        applied = {r: i for r, i in infos.items() if int(r) in ranks and "lost" not in i}
-        _check_agreement(applied, version)
-        for i in applied.values():
-            i["sender_seconds"], i["transport"] = seconds, transport
-        return applied
-
-    @contextlib.contextmanager
-    def _abort_on_loss(self, members: list[tuple[int, int]]) -> Any:
-        """While a transfer runs, a member that leaves the coordinator (its heartbeat names the
-        live engines, and is sent at once when one is removed) aborts it: the survivors are not
-        left blocked in collectives with a dead peer until their timeout."""
-        client = self.client
-
-        def heard(membership: dict) -> None:
-            live = {
-                (e[0], e[1]) for e in membership["engines"] if isinstance(e, list) and len(e) >= 2
-            }
-            ranks = {r for r, _ in live}
-            gone = [r for r, i in members
-                    if ((r, i) not in live if self.attached is not None else r not in ranks)]  # fmt: skip
-            if gone:
-                self.sync.abort_transfer(f"engine ranks {gone} left during the transfer")
-
-        if client is None or not members:
-            yield
-            return
-        client.membership_callbacks.append(heard)
-        try:
-            yield
-        finally:
-            client.membership_callbacks.remove(heard)
-
-    def _retire_stale(self, version: int) -> None:
-        """Engines serving another version (registered while this update ran) restart."""
-        if self.supervisor is None:
-            return
-        for rank, e in self.stats()["engines"].items():
-            if not e["stopped"] and e["weight_version"] != version:
-                self.supervisor.retire(int(rank))
-
-    async def _control(self, make: Callable[[], Any]) -> Any:
-        return await make()
 
     # ---- teardown -------------------------------------------------------------------------
 
@@ -513,10 +332,7 @@ class EngineCluster:
             return
         self._closed = True
         atexit.unregister(self._atexit)
-        self._closing.set()
-        self._catch_up_wanted.set()
-        if self._catch_up_thread is not None:
-            self._catch_up_thread.join(timeout_s)
+        self.weights.stop(timeout_s)
         if self.supervisor is not None:
             self.supervisor.stop(timeout_s)
         if self.client is not None and self.loop.running and self.attached is not None:
@@ -556,16 +372,6 @@ class EngineCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _check_agreement(infos: dict[int, dict], version: int) -> None:
-    """Every ack names `version` and one checksum, else WeightSyncError."""
-    bad = {r: i for r, i in infos.items() if i.get("weight_version") != version}
-    if bad:
-        raise WeightSyncError(f"engines did not apply version {version}: {bad}")
-    sums = {i.get("checksum") for i in infos.values()}
-    if len(sums) > 1:
-        raise WeightSyncError(f"engines disagree on the weights of version {version}: {infos}")
 
 
 def _icfg_dict(cfg: Any) -> dict[str, Any]:
