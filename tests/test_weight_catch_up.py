@@ -74,8 +74,8 @@ def service(tmp_path):
         stop_all(procs)
 
 
-def _manager(address: str, dp: int, events: Events) -> RolloutManager:
-    options = {"auth_token": "s3", "sync_timeout_s": 20.0, "on_event": events,
+def _manager(address: str, dp: int, events: Events, sync_timeout_s: float = 20.0) -> RolloutManager:
+    options = {"auth_token": "s3", "sync_timeout_s": sync_timeout_s, "on_event": events,
                "bucket_bytes": 64 << 10}  # fmt: skip
     return RolloutManager(coordinator_address=address, dp=dp, cluster_options=options)
 
@@ -137,6 +137,33 @@ def test_engine_killed_mid_broadcast_update_retries_on_the_survivor(service):
 
         procs.append(_engine(address, 1, env))  # the host comes back with its initial weights
         _assert_caught_up(manager, events, 1, 2)
+
+
+def test_engine_dying_before_the_group_formed_costs_no_timeout(service):
+    """Engine 1 is frozen, so the update's group cannot form; then it is killed. The trainer and
+    the survivor give the forming group up as soon as the coordinator drops engine 1 (not at
+    the 300 s group timeout) and the retry carries the update on the survivor."""
+    address, env, procs = service
+    procs.append(_engine(address, 1, env))
+    events = Events()
+    with _manager(address, 2, events, sync_timeout_s=300.0) as manager:
+        sync = manager.engine.cluster.sync
+        procs[1].send_signal(signal.SIGSTOP)
+        # the first update forms the group (later ones reuse it while the members stay)
+        update = threading.Thread(target=manager.update_weights, args=(_weights(1), 1))
+        update.start()
+        deadline = time.monotonic() + 30
+        while sync._abort is None or sync.sender is not None:  # the group is forming
+            assert time.monotonic() < deadline, "the update never started forming its group"
+            time.sleep(0.01)
+        procs[1].send_signal(signal.SIGKILL)
+        procs[1].wait(30)
+        update.join(60)
+        assert not update.is_alive(), "the forming group was not given up"
+        assert manager.version == 1 and sorted(manager.engine.last_sync) == [0]
+        assert events.wait("left_update", 1) == {"version": 1, "attempt": 1}
+        got = manager.generate(PROMPTS, sampling_params=SP)
+        assert [s.completion_tokens for s in got] == _reference(1)
 
 
 NUMEL = 64 << 10  # 256 KiB of float32: four 64 KiB buckets

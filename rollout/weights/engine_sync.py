@@ -20,7 +20,7 @@ from rollout.weights.rendezvous import (
     abort_key,
     drop_group,
     local_address_towards,
-    open_group,
+    open_group_unless,
 )
 from rollout.weights.state import state_dict_checksum
 
@@ -80,9 +80,11 @@ class EngineWeightSync:
         self.close_group()
         number, me = gen.split(":")[0], int(self.info["rank"])
         timeout = float(self.info.get("timeout_s", 300))
-        here = local_address_towards(self.info["host"], int(self.info["port"]))
-        self.group = open_group(backend, self.store, number, ranks.index(me) + 1, len(ranks) + 1,
-                                timeout, local_host=here)  # fmt: skip
+        host, port = self.info["host"], int(self.info["port"])
+        aborted = lambda: self._store().check([abort_key(number)])  # noqa: E731
+        self.group = open_group_unless(aborted, backend, (host, port), number,
+                                       ranks.index(me) + 1, len(ranks) + 1, timeout,
+                                       local_host=local_address_towards(host, port))  # fmt: skip
         self.generation, self.abort = gen, Abort()
         self.receiver = WeightReceiver(self.engine.model, self.group,
                                        apply_fn=self.engine.update_weights, allow_cast=True,

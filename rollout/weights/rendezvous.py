@@ -14,8 +14,11 @@ import datetime
 import os
 import socket
 import threading
+from collections.abc import Callable
 
 import torch.distributed as dist
+
+from rollout.weights.broadcast import WeightSyncError
 
 LOOPBACK = "127.0.0.1"
 # Keys the trainer writes and the engines read (weights.trainer_sync, weights.engine_sync)
@@ -86,6 +89,47 @@ def open_group(
     options._timeout = timeout
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]
     return dist.ProcessGroupGloo(prefixed, rank, size, options)
+
+
+def open_group_unless(
+    aborted: Callable[[], bool],
+    backend: str,
+    store_address: tuple[str, int],
+    generation: int | str,
+    rank: int,
+    size: int,
+    timeout_s: float,
+    local_host: str | None = None,
+    poll_s: float = 0.2,
+) -> dist.ProcessGroup:
+    """`open_group`, given up as soon as `aborted()` is true. Forming a group waits for every
+    member, so one that died would hold the rest until the timeout. The attempt runs in a
+    thread of its own, on a store connection of its own (a TCPStore client holds its lock for
+    the whole of a wait, which would block the caller's own store calls); an abandoned attempt
+    ends there at its timeout, and a group it still forms is dropped."""
+    done, abandoned, box = threading.Event(), threading.Event(), {}
+
+    def form() -> None:
+        try:
+            client = dist.TCPStore(*store_address, is_master=False,
+                                   timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+            box["group"] = open_group(backend, client, generation, rank, size, timeout_s,
+                                      local_host)  # fmt: skip
+            if abandoned.is_set():
+                drop_group(box.pop("group"), timeout_s)
+        except BaseException as e:
+            box["error"] = e
+        done.set()
+
+    threading.Thread(target=form, name="rollout-weight-group", daemon=True).start()
+    while not done.wait(poll_s):
+        if aborted():
+            abandoned.set()
+            raise WeightSyncError(f"weight-sync group {generation} abandoned while it formed "
+                                  "(a member left)", transport_broken=True)  # fmt: skip
+    if "error" in box:
+        raise box["error"]
+    return box["group"]
 
 
 def local_address_towards(host: str, port: int) -> str:

@@ -29,7 +29,7 @@ from rollout.weights.rendezvous import (
     abort_key,
     drop_group,
     gloo_host_of_trainer,
-    open_group,
+    open_group_unless,
     open_store,
 )
 
@@ -169,19 +169,24 @@ class TrainerWeightSync:
 
     def send(self, sd: dict[str, torch.Tensor], version: int, on_bucket: Any) -> Any:
         """Broadcast `sd` to this generation's group (formed on first use); `abort_transfer`
-        ends it from another thread once the group has formed."""
-        if self.sender is None:
-            self.group = open_group(self.backend, self.store, self.generation, 0,
-                                    len(self.members) + 1, self.timeout_s,
-                                    local_host=gloo_host_of_trainer(self.host))  # fmt: skip
-            self.sender = WeightSender(self.group, bucket_bytes=self.bucket_bytes, abort=Abort())
+        ends it from another thread, while the group forms as well as during the transfer."""
+        abort = self.sender.c.abort if self.sender is not None else Abort()
         with self._lock:
-            self._abort = self.sender.c.abort
+            self._abort = abort
         try:
+            if self.sender is None:
+                self.group = self._form_group(abort)
+                self.sender = WeightSender(self.group, bucket_bytes=self.bucket_bytes, abort=abort)
             return self.sender.send(sd, version, on_bucket)
         finally:
             with self._lock:
                 self._abort = None
+
+    def _form_group(self, abort: Abort) -> Any:
+        local = gloo_host_of_trainer(self.host)
+        return open_group_unless(abort.is_set, self.backend, (local or LOOPBACK, self.store.port),
+                                 self.generation, 0, len(self.members) + 1, self.timeout_s,
+                                 local_host=local)  # fmt: skip
 
     def abort_transfer(self, why: str) -> bool:
         """Another thread's word that a member died: end the broadcast in flight now. The
