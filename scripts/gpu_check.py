@@ -694,6 +694,44 @@ def run_stage_child(name: str, device: str, workdir: Path, budget_s: float, log)
             "details": {}}  # fmt: skip
 
 
+def plot_report(report: dict[str, Any], path: Path) -> bool:
+    """Throughput (ours with and without CUDA graphs vs transformers) and the decode step's wall
+    vs device-busy time, from a report's stages; False when there is nothing to plot."""
+    throughput = report["stages"].get("throughput", {}).get("details", {})
+    decode = report["stages"].get("decode_profile", {}).get("details", {})
+    runs = throughput.get("runs", [])
+    if not runs:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4), gridspec_kw={"width_ratios": [3, 1]})
+    x = range(len(runs))
+    for dx, key, label in ((-0.27, "ours_tokens_per_s", "rollout engine"),
+                           (0.0, "ours_eager_tokens_per_s", "rollout engine, eager"),
+                           (0.27, "hf_tokens_per_s", "HF generate()")):  # fmt: skip
+        ax.bar([i + dx for i in x], [r.get(key, 0) for r in runs], 0.27, label=label)
+    for i, r in enumerate(runs):
+        ax.text(i, max(r["ours_tokens_per_s"], r["hf_tokens_per_s"]), f"x{r['speedup']:.1f}",
+                ha="center", va="bottom")  # fmt: skip
+    ax.set_xticks(list(x), [f"{r['model']}\n{r['workload']}" for r in runs])
+    ax.set_ylabel("generated tokens / s")
+    ax.set_title(f"engine vs transformers ({report['device']}, {throughput.get('dtype')})")
+    ax.legend()
+    modes = [m for m in ("eager", "graphs") if m in decode]
+    bx.bar(modes, [decode[m]["wall_ms_per_step"] for m in modes], label="wall")
+    bx.bar(modes, [decode[m]["device_busy_ms_per_step"] for m in modes], label="device busy")
+    bx.set_ylabel("ms per decode step")
+    bx.set_title(f"one decode step ({decode.get('model')}, {decode.get('batch')} rows)")
+    bx.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
 def default_out(device: str) -> Path:
     if os.environ.get("OUT"):
         return Path(os.environ["OUT"]) / "gpu_check.json"
@@ -708,11 +746,15 @@ def main() -> int:
     ap.add_argument("--log", default=None, help="the log; default: --out with .log")
     ap.add_argument("--stages", nargs="+", choices=list(STAGES), default=list(STAGES))
     ap.add_argument("--budget-scale", type=float, default=1.0, help="multiply every budget")
+    ap.add_argument("--plot", metavar="JSON", help="only draw JSON's plot (JSON with .png)")
     ap.add_argument("--stage", help=argparse.SUPPRESS)  # child mode: one stage, in-process
     ap.add_argument("--workdir", help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.plot:
+        return 0 if plot_report(json.loads(Path(args.plot).read_text()),
+                                Path(args.plot).with_suffix(".png")) else 1  # fmt: skip
     if args.stage:
         result = run_stage_here(args.stage, args.device, Path(args.workdir), args.budget)
         Path(args.result).write_text(json.dumps(result, indent=1))
@@ -749,6 +791,11 @@ def main() -> int:
             report["all_passed"] = "failed" not in statuses
             report["complete"] = all(s == "passed" for s in statuses)
             out.write_text(json.dumps(report, indent=1) + "\n")  # after every stage: a cut-off
+    try:
+        if plot_report(report, out.with_suffix(".png")):
+            print(f"plot: {out.with_suffix('.png')}")
+    except Exception as e:  # the figures are in the JSON whatever happens to the plot
+        print(f"no plot ({type(e).__name__}: {e})")
     print(f"wrote {out} and {log_path}: all_passed={report['all_passed']}")  # run keeps the rest
     return 0 if report["all_passed"] else 1
 

@@ -64,6 +64,7 @@ def test_cpu_mode_passes_every_cpu_stage(tmp_path):
     assert len(stages["throughput"]["details"]["runs"]) == 2
     assert stages["decode_profile"]["details"]["eager"]["wall_ms_per_step"] > 0
     assert len(stages["grpo_recipe"]["details"]["rewards"]) == 3
+    assert (tmp_path / "gpu_check.png").stat().st_size > 0  # throughput and decode-step plot
     log = (tmp_path / "gpu_check.log").read_text()
     assert all(f"=== {name}" in log for name in STAGES)
 
