@@ -22,10 +22,12 @@ from recipes.common import TRAIN_KEYS, grpo_update
 
 ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
-# A few seconds of recipe: 4 groups (two per rank) x 4 samples, 3 RL steps, micro-batches of 4.
-# The warm start is long enough for groups with unequal rewards, so that steps are taken.
+# A few seconds of recipe: 4 groups (two per rank) x 4 samples, 8 RL steps, micro-batches of 4.
+# After this warm start about a third of the steps still see groups scored alike and are
+# skipped (sampling is not seeded): 8 steps make "every step skipped" a ~1e-4 event.
+STEPS = 8
 TINY = [
-    "trainer.steps=3", "trainer.warmup_sft_steps=300", "trainer.warmup_sft_lr=0.003",
+    f"trainer.steps={STEPS}", "trainer.warmup_sft_steps=300", "trainer.warmup_sft_lr=0.003",
     "trainer.batch=4", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
     "rollout.max_new_tokens=6", "recipe.eval_every=2", "recipe.eval_prompts=4",
 ]  # fmt: skip
@@ -73,7 +75,7 @@ def test_two_ranks_train_one_model(dp, tmp_path):
     args = ["--standalone", "--nproc_per_node=2", "-m", "recipes.grpo_reverse", *TINY,
             f"rollout.dp={dp}", f"logger.dir={out_dir}", f"hydra.run.dir={out_dir}"]  # fmt: skip
     out = torchrun(args)
-    saved = check_recipe_run(out.stdout, out_dir, steps=3)
+    saved = check_recipe_run(out.stdout, out_dir, steps=STEPS)
     assert saved["config"]["recipe"]["name"] == "grpo_reverse"
     rows = [r for r in saved["history"] if "train/loss" in r]
     assert all(r.get("engine/num_engines", 1) == dp for r in rows)  # embedded: no such key
