@@ -10,12 +10,12 @@ memory stage measures a clean device) under its own time budget:
   cuda_tests       `pytest -m cuda` (skipped on CPU)
   hf_parity        greedy decode and log-probs of our engine == transformers, same checkpoint
   suspend_memory   bytes the engine reports freed == what the device got back, per suspend mode;
-                   a training-sized allocation fits only while suspended (CUDA)
+                   a training-sized allocation fits only while suspended (CUDA; gpu_memory.py)
   ipc_weight_sync  rollout.weights.ipc.benchmark_ipc_sync: IPC handover vs a plain copy, s/GB
   throughput       engine tokens/s vs transformers generate(), benchmarks/engine_vs_hf.py's
                    two workloads
   decode_profile   one decode step under the torch profiler: wall vs device-busy ms, kernels
-                   and host syncs per step, the top ops (what to make fast next)
+                   and host syncs per step, the top ops (gpu_profile.py)
   grpo_recipe      a short `python -m recipes.grpo_reverse` run (engine=gpu on CUDA), rewards
 
     python scripts/gpu_check.py --device cpu --out /tmp/gpu_check.json   # anywhere, ~20 s
@@ -44,6 +44,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))  # the stage modules beside this file, however loaded
+from gpu_memory import stage_suspend_memory  # noqa: E402
+from gpu_profile import stage_decode_profile  # noqa: E402
+
 MiB = 2**20
 GiB = 2**30
 
@@ -245,208 +249,6 @@ def compare_with_hf(hf: Any, prompts: list[list[int]], results: list[Any], new: 
             "mean_abs_logprob_diff": sum(diffs) / len(diffs), "tolerance": tol}  # fmt: skip
 
 
-def stage_suspend_memory(ctx: Ctx) -> None:
-    import torch
-
-    from rollout.engine import DynamicInferenceEngine, InferenceConfig
-    from rollout.models import ModelConfig, build_model, kv_bytes_per_block
-    from rollout.sampling import SamplingParams
-
-    dtype = torch.bfloat16 if ctx.cuda else torch.float32
-    pool = 2 * GiB if ctx.cuda else 64 * MiB  # > glibc's mmap threshold: free() returns it
-    config = ModelConfig.preset("small" if ctx.cuda else "tiny")
-    model = build_model(config, seed=0).to(device=ctx.device, dtype=dtype).eval()
-    blocks = pool // kv_bytes_per_block(config, 16, dtype)  # the whole pool, not just what
-    cfg = InferenceConfig(num_blocks=blocks, max_requests=4, max_sequence_length=256)  # 4 need
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (7, 20, 40, 12)]
-    sp = SamplingParams(temperature=0.0, num_tokens_to_generate=16, ignore_eos=True)
-    want = [r.generated_tokens for r in DynamicInferenceEngine(model, None, cfg).generate(prompts, sp)]  # fmt: skip
-    # CUDA: device free memory. CPU: the device is host memory, so the twin is the process RSS
-    # (offload then moves bytes within it: nothing comes back, by design).
-    tol = (4 * MiB + pool // 100) if ctx.cuda else pool // 5
-    ctx.details.update(pool_bytes=pool, tolerance_bytes=tol,
-                       measure="cuda.mem_get_info" if ctx.cuda else "process RSS")  # fmt: skip
-    probe = TrainerProbe() if ctx.cuda else None
-    try:
-        for mode in ("persist", "offload", "recompute"):
-            eng = DynamicInferenceEngine(model, None, cfg)
-            ids = [eng.add_request(None, p, sp).request_id for p in prompts]
-            for _ in range(4):  # mid-generation: KV in use, requests in flight
-                eng.step()
-            # Twice, as every training step does: the first cycle also pays one-time costs
-            # (lazy CUDA init of the copy paths), so the steady cycle is the one checked.
-            first = suspend_cycle(ctx, eng, mode, tol, probe, steady=False)
-            for _ in range(2):
-                eng.step()
-            row = suspend_cycle(ctx, eng, mode, tol, probe, steady=True)
-            row["first_cycle"] = first
-            done = {r.request_id: r.merge() for r in drain(eng)}
-            row["outputs_equal_unsuspended"] = [done[i].generated_tokens for i in ids] == want
-            ctx.details[mode] = row
-            ctx.check(f"{mode}_outputs_equal", row["outputs_equal_unsuspended"])
-            eng.close()
-            del eng
-    finally:
-        if probe is not None:
-            probe.close()
-
-
-def device_free_bytes(cuda: bool) -> int:
-    """What the device could hand out now (CPU twin: minus the process RSS)."""
-    import gc
-
-    import torch
-
-    gc.collect()
-    if cuda:
-        torch.cuda.synchronize()
-        return torch.cuda.mem_get_info()[0]
-    import psutil
-
-    return -psutil.Process().memory_info().rss
-
-
-def suspend_cycle(ctx: Ctx, eng: Any, mode: str, tol: int, probe: TrainerProbe | None,
-                  steady: bool) -> dict[str, Any]:  # fmt: skip
-    """Free memory before / while suspended / after resume, and (CUDA) the training step that
-    the trainer probe tries with the device filled to half the pool."""
-    import gc
-
-    import torch
-
-    gc.collect()  # earlier engines' pools, and this process's cache, out of the picture
-    if ctx.cuda:
-        torch.cuda.empty_cache()
-        probe.call("fill", eng.kv.nbytes // 2)
-    before = device_free_bytes(ctx.cuda)
-    step_bytes = int(eng.kv.nbytes * 0.9)
-    fits_before = ctx.cuda and bool(probe.call("fits", step_bytes))
-    reported = eng.suspend(mode)
-    during = device_free_bytes(ctx.cuda)
-    fits_during = ctx.cuda and bool(probe.call("fits", step_bytes))
-    eng.resume()
-    after = device_free_bytes(ctx.cuda)
-    if ctx.cuda:
-        probe.call("release")
-    got_back = during - before
-    device_is_host = not ctx.cuda
-    expect_reported = 0 if mode == "persist" else eng.kv.nbytes
-    expect_back = 0 if mode == "persist" or (device_is_host and mode == "offload") else reported
-    row = {"reported_freed_bytes": reported, "device_got_back_bytes": got_back,
-           "free_before": before, "free_suspended": during, "free_after_resume": after,
-           "expected_back_bytes": expect_back}  # fmt: skip
-    ctx.check(f"{mode}_reported_bytes", reported == expect_reported)
-    ctx.check(f"{mode}_device_got_back", abs(got_back - expect_back) <= tol)
-    if not steady:
-        return row
-    ctx.check(f"{mode}_resume_takes_it_again", abs(before - after) <= tol)
-    if ctx.cuda:
-        row.update(training_step_bytes=step_bytes, fits_before=fits_before,
-                   fits_suspended=fits_during)  # fmt: skip
-        ctx.check(f"{mode}_training_step_needs_the_pool", not fits_before)
-        ctx.check(f"{mode}_training_step_fits_suspended", fits_during == (mode != "persist"))
-    return row
-
-
-class TrainerProbe:
-    """A second process on the GPU standing in for the colocated trainer. It holds the ballast
-    and tries the training step, so what it gets is what the driver really has free: the engine
-    process's caching allocator cannot lend it a block the engine freed but kept."""
-
-    def __init__(self) -> None:
-        import multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_probe_main, args=(child,), daemon=True)
-        self.proc.start()
-        self.call("ready")
-
-    def call(self, op: str, nbytes: int = 0) -> int:
-        import msgpack
-
-        self.conn.send_bytes(msgpack.packb([op, nbytes]))
-        if not self.conn.poll(60):
-            raise RuntimeError(f"trainer probe silent on {op!r} (exit code {self.proc.exitcode})")
-        ok, value = msgpack.unpackb(self.conn.recv_bytes())
-        if not ok:
-            raise RuntimeError(f"trainer probe failed on {op!r}: {value}")
-        return value
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.conn.send_bytes(b"")
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-
-
-def _probe_main(conn: Any) -> None:
-    import msgpack
-    import torch
-
-    torch.cuda.init()
-    ballast = None
-    while raw := conn.recv_bytes():
-        op, nbytes = msgpack.unpackb(raw)
-        try:
-            if op == "fill":
-                ballast = None
-                ballast = fill_device(nbytes)
-                value = torch.cuda.mem_get_info()[0]
-            elif op == "fits":
-                value = training_step_fits(nbytes)
-            elif op == "release":
-                ballast = None
-                torch.cuda.empty_cache()
-                value = torch.cuda.mem_get_info()[0]
-            else:
-                value = torch.cuda.mem_get_info()[0]
-            conn.send_bytes(msgpack.packb([True, value]))
-        except Exception as e:
-            conn.send_bytes(msgpack.packb([False, f"{type(e).__name__}: {e}"]))
-    del ballast
-
-
-def fill_device(leave: int) -> Any:
-    """Take all free device memory but `leave` bytes, so that a training step of the pool's size
-    fits only if the engine really gives its KV back."""
-    import torch
-
-    torch.cuda.empty_cache()
-    size = torch.cuda.mem_get_info()[0] - leave
-    for _ in range(8):  # fragmentation: back off until the allocator can place it
-        try:
-            return torch.empty(max(0, size - size % (2 * MiB)), dtype=torch.uint8, device="cuda")
-        except torch.cuda.OutOfMemoryError:
-            size -= 256 * MiB
-    raise RuntimeError(f"could not fill the device down to {leave} free bytes")
-
-
-def training_step_fits(nbytes: int) -> bool:
-    """Allocate and touch `nbytes` as a training step would (activations, grads)."""
-    import torch
-
-    try:
-        x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
-        x.fill_(1.0)
-        torch.cuda.synchronize()
-        del x
-        return True
-    except torch.cuda.OutOfMemoryError:
-        return False
-    finally:
-        torch.cuda.empty_cache()
-
-
-def drain(eng: Any) -> list[Any]:
-    done = []
-    while eng.has_unfinished_requests():
-        done.extend(eng.step().finished)
-    return done
-
-
 def stage_ipc_weight_sync(ctx: Ctx) -> None:
     try:
         from rollout.weights import ipc
@@ -510,74 +312,6 @@ def stage_throughput(ctx: Ctx) -> None:
         del model, hf
         if ctx.cuda:
             torch.cuda.empty_cache()
-
-
-def stage_decode_profile(ctx: Ctx) -> None:
-    """Where a decode step's time goes: wall time per step against the device's busy time (a
-    launch-bound step shows wall >> kernels), kernels and host syncs per step, the top ops."""
-    import torch
-
-    from rollout.engine import DynamicInferenceEngine, InferenceConfig
-    from rollout.models import ModelConfig, build_model
-
-    dtype = torch.bfloat16 if ctx.cuda else torch.float32
-    size, batch, steps = ("small", 32, 20) if ctx.cuda else ("tiny", 4, 4)
-    config = ModelConfig.preset(size)
-    model = build_model(config, seed=0).to(device=ctx.device, dtype=dtype).eval()
-    ctx.details.update(model=size, dtype=str(dtype), batch=batch, steps=steps)
-    for graphs in (False, True):
-        cfg = InferenceConfig(max_sequence_length=512, kv_cache_memory_bytes=256 * MiB,
-                              cuda_graphs=graphs)  # fmt: skip
-        eng = DynamicInferenceEngine(model, None, cfg)
-        row = profile_decode(eng, batch, steps, ctx.cuda)
-        ctx.details["graphs" if graphs else "eager"] = row
-        ctx.check(f"measured_steps_{'graphs' if graphs else 'eager'}", row["wall_ms_per_step"] > 0)
-        eng.close()
-    if ctx.cuda:
-        ctx.check("graphs_replayed", ctx.details["graphs"]["decode_graph_replays"] > 0)
-
-
-def profile_decode(eng: Any, batch: int, steps: int, cuda: bool) -> dict[str, Any]:
-    """Wall ms per decode step, then the same steps under the profiler."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from rollout.sampling import SamplingParams
-
-    g = torch.Generator().manual_seed(0)
-    sp = SamplingParams(temperature=1.0, num_tokens_to_generate=4 * steps + 8, ignore_eos=True)
-    for _ in range(batch):
-        eng.add_request(None, torch.randint(3, 500, (64,), generator=g).tolist(), sp)
-    for _ in range(4):  # prefill and warm-up (graph captures)
-        eng.step()
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        eng.step()
-    sync()
-    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
-            eng.step()
-        sync()
-    events = prof.events()
-    kernels = [e for e in events if str(e.device_type).endswith("CUDA")]
-    device_ms = sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / steps if kernels else 0.0
-    watched = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync",
-               "cudaGraphLaunch", "aten::_local_scalar_dense")  # fmt: skip
-    syncs = [e for e in events if e.name in watched]
-    averages = prof.key_averages()
-    for key in ("self_cpu_time_total", "self_device_time_total")[: 1 + cuda]:
-        print(averages.table(sort_by=key, row_limit=15), flush=True)
-    stats = eng.stats()
-    return {"wall_ms_per_step": wall_ms, "device_busy_ms_per_step": device_ms,
-            "kernels_per_step": len(kernels) / steps, "tokens_per_s": batch * 1e3 / wall_ms,
-            "calls_per_step": {n: sum(e.name == n for e in syncs) / steps
-                               for n in sorted({e.name for e in syncs})},
-            "decode_graph_replays": stats.get("decode_graph_replays", 0),
-            "decode_graph_captures": stats.get("decode_graph_captures", 0)}  # fmt: skip
 
 
 def stage_grpo_recipe(ctx: Ctx) -> None:

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from rollout.engine.config import InferenceConfig
 from rollout.models.attention import StaticDecodePlan
 
 SMALL_BATCHES = (1, 2, 4, 8)
@@ -74,6 +75,19 @@ class DecodeGraphs:
         self._logits: torch.Tensor | None = None  # every graph's output, outside their pool
         self._kv_ptr = 0
         self.counters = {"replays": 0, "captures": 0, "eager": 0}
+
+    @classmethod
+    def for_engine(
+        cls, model: nn.Module, config: InferenceConfig, device: torch.device
+    ) -> DecodeGraphs | None:
+        """An engine's graphs: None unless `config.cuda_graphs`, a CUDA device and a model with
+        `forward_static_decode`."""
+        if not (config.cuda_graphs and device.type == "cuda"):
+            return None
+        if not hasattr(model, "forward_static_decode"):
+            return None
+        max_blocks = -(-config.max_sequence_length // config.block_size)
+        return cls(model, config.max_requests, max_blocks, device)
 
     def accepts(self, num_rows: int, widest_table: int) -> bool:
         return 0 < num_rows <= self.max_batch and widest_table <= self.max_blocks

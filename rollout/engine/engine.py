@@ -89,7 +89,7 @@ class DynamicInferenceEngine:
         if param.device != device or param.dtype != dtype:
             model.to(device=device, dtype=dtype)
         self.model = model.eval()
-        self.runner = ModelRunner(self.model, self._decode_graphs(config, device))
+        self.runner = ModelRunner(self.model, DecodeGraphs.for_engine(self.model, config, device))
         self.tokenizer = tokenizer
         self.device, self.dtype = device, dtype
         self.vocab_size = int(self.model_config.vocab_size)
@@ -112,15 +112,6 @@ class DynamicInferenceEngine:
                          "requests_failed": 0, "request_faults": 0, "step_failures": 0,
                          "weight_updates": 0, "forward_time_s": 0.0}  # fmt: skip
         self._failures_in_a_row = 0
-
-    def _decode_graphs(self, config: InferenceConfig, device: torch.device) -> DecodeGraphs | None:
-        """CUDA graphs for decode steps (rollout.engine.cuda_graphs), where they apply."""
-        if not (config.cuda_graphs and device.type == "cuda"):
-            return None
-        if not hasattr(self.model, "forward_static_decode"):
-            return None
-        max_blocks = -(-config.max_sequence_length // config.block_size)
-        return DecodeGraphs(self.model, config.max_requests, max_blocks, device)
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(
