@@ -67,6 +67,7 @@ from rollout.rl.environment import EnvFactory
 from rollout.rl.episodes import episode_metrics
 from rollout.rl.manager import RolloutManager
 from rollout.rl.samples import Sample, collate
+from rollout.sampling import logprobs_temperature
 from trainer_hooks.distributed import TrainerGroup, grad_sync, trainer_group, weights_digest
 from trainer_hooks.hooks import RolloutHooks
 from trainer_hooks.losses import group_advantages, policy_loss, sequence_log_probs
@@ -207,7 +208,8 @@ def grpo_update(
     is DDP-wrapped: the loss is normalised by the whole batch's count, and whether to step is
     decided for the whole batch, so every rank takes the same step.
 
-    Old (proximal) log-probs are recomputed once with the current weights; the engine's
+    Old (proximal) log-probs are recomputed once with the current weights, at the behaviour
+    log-probs' temperature (rollout.logprobs_mode); the engine's
     behaviour log-probs feed TIS and the mismatch metrics; tokens staler than
     rollout.max_staleness are masked. A batch without signal (every group scored alike, no KL
     term) is measured but takes no optimizer step.
@@ -227,11 +229,12 @@ def grpo_update(
     # Every group scored alike: no gradient, and an Adam step would only coast on momentum.
     skip = t.kl_coef == 0 and not counts[1].item()
     chunks = [slice(i, i + t.batch) for i in range(0, batch["tokens"].shape[0], t.batch)]
+    temp = logprobs_temperature(r.logprobs_mode.value, r.temperature)  # the behaviour log-probs'
     with torch.no_grad():
-        old = [sequence_log_probs(model(batch["tokens"][c]), batch["tokens"][c], mask[c]) for c in chunks]  # fmt: skip
+        old = [sequence_log_probs(model(batch["tokens"][c]), batch["tokens"][c], mask[c], temp) for c in chunks]  # fmt: skip
         ref = None
         if ref_model is not None:
-            ref = [sequence_log_probs(ref_model(batch["tokens"][c]), batch["tokens"][c], mask[c]) for c in chunks]  # fmt: skip
+            ref = [sequence_log_probs(ref_model(batch["tokens"][c]), batch["tokens"][c], mask[c], temp) for c in chunks]  # fmt: skip
     sums: dict[str, float] = {}
     maxes: dict[str, float] = {}
     grad_norm, calls = 0.0, 0
@@ -239,7 +242,9 @@ def grpo_update(
         optimizer.zero_grad(set_to_none=True)
         for k, c in enumerate(chunks):
             with grad_sync(model, k == len(chunks) - 1):
-                new = sequence_log_probs(model(batch["tokens"][c]), batch["tokens"][c], mask[c])
+                new = sequence_log_probs(
+                    model(batch["tokens"][c]), batch["tokens"][c], mask[c], temp
+                )
                 loss, m = policy_loss(
                     new, old[k], adv[c], mask[c],
                     clip_eps_low=t.clip_eps_low, clip_eps_high=t.clip_eps_high,

@@ -25,6 +25,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from rollout.sampling import VLLM_LOGPROBS_MODES
 from rollout.serving.auth import new_token, read_token_file, resolve_token
 from rollout.serving.cluster import EngineCluster
 from rollout.serving.coordinator.routing import POLICIES
@@ -91,6 +92,9 @@ def _add_http_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--served-model-name", default=None,
                    help="model id in /v1/models and responses (default: --model)")  # fmt: skip
+    p.add_argument("--logprobs-mode", default="raw_logprobs", choices=sorted(VLLM_LOGPROBS_MODES),
+                   help="HTTP log-probs of requests that name no logprobs_mode: raw_logprobs "
+                        "(temperature 1) or processed_logprobs (at the request's temperature)")  # fmt: skip
 
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -299,7 +303,7 @@ def _serve_http(args: argparse.Namespace, address: str, token: str | None,
                     tokenizer=tokenizer_from_source(None, args.model),
                     model_name=args.served_model_name or args.model, chat_template=template,
                     special_tokens=special_tokens_of(args.model) if is_dir else {},
-                    http_token=http_token)  # fmt: skip
+                    http_token=http_token, logprobs_mode=args.logprobs_mode)  # fmt: skip
     family = socket.AF_INET6 if ":" in args.http_host else socket.AF_INET
     # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say so; without it a
     # reused connection waits ~40 ms per request (Nagle against delayed ACKs)

@@ -1,7 +1,8 @@
 """`LLM` / `AsyncLLM`: the high-level entry point over one engine.
 
 Direct mode (`use_coordinator=False`) drives a `DynamicInferenceEngine` in-process: `generate`
-runs `engine.step()` to completion, and lifecycle methods raise RuntimeError.
+runs `engine.step()` to completion, lifecycle methods raise RuntimeError, and `shutdown` closes
+the engine (its KV pool freed; `generate` raises afterwards).
 
 Coordinator mode (`use_coordinator=True`) starts a coordinator and `data_parallel_size` engine
 processes (`rollout.serving.cluster.EngineCluster`; every engine loads the same weights) and
@@ -133,7 +134,17 @@ class _LLMBase:
         self, prompts: list, sp: SamplingParams | None
     ) -> list[DynamicInferenceRequest]:
         with self._lock:
+            if self.engine.closed:
+                raise RuntimeError("generate() after shutdown(): this LLM's engine is closed")
             return self.engine.generate(prompts, sp)
+
+    def _close(self) -> None:
+        """shutdown(): the cluster's processes end, or the in-process engine is closed."""
+        if self._cluster is not None:
+            self._cluster.close()
+            return
+        with self._lock:  # after any generate() in flight
+            self.engine.close()
 
     async def _generate_on_loop(
         self, prompts: list, sp: SamplingParams | None
@@ -202,7 +213,8 @@ class LLM(_LLMBase):
         return self._require_cluster("update_weights").update_weights(weights, version)
 
     def shutdown(self) -> None:
-        self._require_cluster("shutdown").close()
+        """Stop the engines (processes, or the in-process engine's KV pool). Idempotent."""
+        self._close()
 
 
 class AsyncLLM(_LLMBase):
@@ -244,4 +256,4 @@ class AsyncLLM(_LLMBase):
         return await asyncio.to_thread(cluster.update_weights, weights, version)
 
     async def shutdown(self) -> None:
-        await asyncio.to_thread(self._require_cluster("shutdown").close)
+        await asyncio.to_thread(self._close)

@@ -18,6 +18,23 @@ MAX_STOP_WORD_CHARS = 512
 MAX_STOP_TOKEN_IDS = 4096
 GREEDY_BELOW = 1e-5  # temperature or top_p below this samples greedily (exact where it matters:
 # logits / 1e-46 overflow to inf, and top_p=1e-46 rounds to 0 in float32)
+LOGPROBS_MODES = ("raw", "processed")
+# vLLM's spelling (its --logprobs-mode and our HTTP extension field) -> ours
+VLLM_LOGPROBS_MODES = {"raw_logprobs": "raw", "processed_logprobs": "processed"}
+
+
+def logprobs_temperature(mode: str | None, temperature: float) -> float:
+    """The temperature the reported log-probs are computed at: log_softmax(logits / this).
+
+    raw (and None, the engine's default): 1, the model's own distribution. processed: the
+    request's temperature, the distribution the token was sampled from, as TRL and veRL
+    recompute it (top-k/top-p are not applied: the trainer cannot recompute a truncation that
+    depends on the nucleus boundary, and TRL/veRL do not). Greedy temperatures (below
+    GREEDY_BELOW) count as 1, as in vLLM: the limit T -> 0 is 0 for the argmax and -inf for
+    every other token, which scores nothing (lm-eval scores prompts at temperature 0)."""
+    if mode == "processed" and temperature >= GREEDY_BELOW:
+        return temperature
+    return 1.0
 
 
 def _int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
@@ -77,6 +94,11 @@ class SamplingParams:
     temperature or top_p below GREEDY_BELOW also mean greedy (their limit, computed without
     overflow). Integers are bounded by INT_LIMIT and the list/top-n limits above: anything
     the engine could not honour raises ValueError here, naming the field and the value.
+
+    logprobs_mode: which distribution the returned log-probs (generated, top-n and prompt) are
+    of: "raw" (the model's, temperature 1) or "processed" (log_softmax(logits / temperature),
+    what was sampled from; `logprobs_temperature`). None leaves it to whoever runs the request:
+    an engine computes raw, `rollout serve` its --logprobs-mode, a RolloutManager its config.
     """
 
     temperature: float = 1.0
@@ -90,6 +112,7 @@ class SamplingParams:
     return_prompt_log_probs: bool = False
     seed: int | None = None
     ignore_eos: bool = False
+    logprobs_mode: str | None = None
 
     def __post_init__(self) -> None:
         self.temperature = _float("temperature", self.temperature)
@@ -125,10 +148,20 @@ class SamplingParams:
         if self.seed is not None:
             self.seed = _int("seed", self.seed, 0, _SEED_LIMIT)
         self.ignore_eos = _bool("ignore_eos", self.ignore_eos)
+        if self.logprobs_mode is not None and self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"logprobs_mode must be one of {LOGPROBS_MODES} or None, "
+                f"got {_short(self.logprobs_mode)}"
+            )
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW or self.top_p < GREEDY_BELOW or self.top_k == 1
+
+    @property
+    def logprobs_temperature(self) -> float:
+        """The temperature this request's log-probs are computed at (`logprobs_temperature`)."""
+        return logprobs_temperature(self.logprobs_mode, self.temperature)
 
     def check(self) -> None:
         """Raise ValueError (naming the field) unless every field is still valid: the engine
@@ -168,6 +201,7 @@ class SamplingParams:
 
 _FIELD_ORDER = tuple(f.name for f in dataclasses.fields(SamplingParams))
 _FIELDS = frozenset(_FIELD_ORDER)
+_MODES_OR_NONE = (None, *LOGPROBS_MODES)
 
 
 def _already_valid(d: dict[str, Any]) -> bool:
@@ -190,6 +224,7 @@ def _already_valid(d: dict[str, Any]) -> bool:
         and type(d["return_log_probs"]) is bool
         and type(d["return_prompt_log_probs"]) is bool
         and type(d["ignore_eos"]) is bool
+        and d["logprobs_mode"] in _MODES_OR_NONE
         and type(words) is list
         and len(words) <= MAX_STOP_WORDS
         and (not words or all(type(w) is str and 0 < len(w) <= MAX_STOP_WORD_CHARS for w in words))

@@ -44,7 +44,7 @@ def test_llm_generate_single_and_batch(llm_parts):
     assert llm.generate([], SP) == []
 
 
-@pytest.mark.parametrize("name", ["pause", "unpause", "suspend", "resume", "shutdown"])
+@pytest.mark.parametrize("name", ["pause", "unpause", "suspend", "resume"])
 def test_lifecycle_methods_need_a_coordinator(llm_parts, name):
     llm = LLM(*llm_parts)
     with pytest.raises(RuntimeError, match="coordinator mode only"):

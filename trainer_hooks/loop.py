@@ -17,6 +17,7 @@ from torch import nn
 
 from rollout.rl.manager import RolloutManager
 from rollout.rl.samples import Sample, collate
+from rollout.sampling import SamplingParams, logprobs_temperature
 from trainer_hooks.hooks import RolloutHooks
 from trainer_hooks.losses import group_advantages, policy_loss, sequence_log_probs
 
@@ -30,15 +31,17 @@ def grpo_loss(
     pad_id: int = 0,
     tis_cap: float | None = 2.0,
     max_staleness: int | None = None,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """GRPO loss on a group-contiguous batch (what `RolloutManager.collect` returns)."""
+    """GRPO loss on a group-contiguous batch (what `RolloutManager.collect` returns).
+    `temperature`: the behaviour log-probs' (`SamplingParams.logprobs_temperature`)."""
     batch = collate(samples, pad_id)
     if "rewards" not in batch:
         raise ValueError("grpo_loss needs numeric rewards on every sample (pass a reward_fn)")
     device = next(model.parameters()).device
     batch = {k: v.to(device) for k, v in batch.items()}
     logits = model(batch["tokens"])
-    new = sequence_log_probs(logits, batch["tokens"], batch["completion_mask"])
+    new = sequence_log_probs(logits, batch["tokens"], batch["completion_mask"], temperature)
     adv = group_advantages(batch["rewards"], n).to(device)
     loss, metrics = policy_loss(
         new,
@@ -52,6 +55,13 @@ def grpo_loss(
     )
     metrics["train/reward_mean"] = float(batch["rewards"].mean())
     return loss, metrics
+
+
+def behaviour_temperature(manager: RolloutManager, sampling_params: Any = None) -> float:
+    """The temperature of the behaviour log-probs `manager` returns for `sampling_params`: the
+    one the trainer's log-probs must be computed at (`sequence_log_probs(temperature=)`)."""
+    sp = sampling_params if sampling_params is not None else SamplingParams()
+    return logprobs_temperature(sp.logprobs_mode or manager.config.logprobs_mode, sp.temperature)
 
 
 def train(
@@ -74,7 +84,8 @@ def train(
     `env` (an EnvFactory, rollout.rl.environment) makes every sample a multi-turn episode; the
     loss then trains the model's turns only (collate's completion_mask is the loss mask)."""
     hooks = hooks or RolloutHooks(manager, model)
-    loss_fn = loss_fn or (lambda m, s: grpo_loss(m, s, n))
+    temperature = behaviour_temperature(manager, sampling_params)
+    loss_fn = loss_fn or (lambda m, s: grpo_loss(m, s, n, temperature=temperature))
     history: list[dict[str, float]] = []
     hooks.on_train_start(model)
     try:

@@ -65,31 +65,43 @@ def group_advantages(
     return adv.reshape(-1)
 
 
-def token_log_probs(logits: Tensor, targets: Tensor, chunk_tokens: int = 1024) -> Tensor:
-    """log softmax(logits)[targets] in fp32: logits [B, T, V], targets [B, T] -> [B, T].
+def token_log_probs(
+    logits: Tensor, targets: Tensor, chunk_tokens: int = 1024, temperature: float = 1.0
+) -> Tensor:
+    """log softmax(logits / temperature)[targets] in fp32: logits [B, T, V], targets [B, T] ->
+    [B, T].
 
     No shift: position t's logits score `targets[:, t]`. fp32 because bf16 log-softmax is too
     coarse to compare trainer and engine log-probs. Computed as logit - logsumexp over chunks of
     `chunk_tokens` positions, so the fp32 copy of a large-vocabulary batch never exists at once.
+    `temperature` must be the one the behaviour log-probs were computed at, so the two are the
+    same function of the same weights: `SamplingParams.logprobs_temperature` (1 for raw,
+    the sampling temperature for processed; `rollout.sampling.logprobs_temperature`).
     """
     if logits.dim() != 3 or targets.shape != logits.shape[:2]:
         raise ValueError(
             f"expected logits [B, T, V] and targets [B, T]; got {tuple(logits.shape)} and "
             f"{tuple(targets.shape)}"
         )
+    _check_temperature(temperature)
     flat = logits.reshape(-1, logits.shape[-1])
     tgt = targets.reshape(-1, 1).long()
     parts = []
     for i in range(0, flat.shape[0], max(1, chunk_tokens)):
         chunk = flat[i : i + chunk_tokens].float()
+        if temperature != 1.0:
+            chunk = chunk / temperature
         parts.append(chunk.gather(-1, tgt[i : i + chunk_tokens]).squeeze(-1) - chunk.logsumexp(-1))
     if not parts:
         return torch.zeros(targets.shape, dtype=torch.float32, device=logits.device)
     return torch.cat(parts).view(targets.shape)
 
 
-def sequence_log_probs(logits: Tensor, tokens: Tensor, mask: Tensor | None = None) -> Tensor:
-    """Per-token log-probs aligned with `tokens`: out[:, t] = log p(tokens[:, t] | tokens[:, :t]).
+def sequence_log_probs(
+    logits: Tensor, tokens: Tensor, mask: Tensor | None = None, temperature: float = 1.0
+) -> Tensor:
+    """Per-token log-probs aligned with `tokens`: out[:, t] = log p(tokens[:, t] | tokens[:, :t]),
+    p = softmax(logits / temperature) (`token_log_probs`: pass the behaviour's temperature).
 
     `logits` are the model's outputs on `tokens` ([B, T, V], logits[:, t] predicts t + 1).
     Position 0 has no prediction and is 0; positions where `mask` is False are 0. The result
@@ -102,10 +114,20 @@ def sequence_log_probs(logits: Tensor, tokens: Tensor, mask: Tensor | None = Non
             f"{tuple(tokens.shape)}"
         )
     out = torch.zeros(tokens.shape, dtype=torch.float32, device=logits.device)
-    out[:, 1:] = token_log_probs(logits[:, :-1], tokens[:, 1:])
+    out[:, 1:] = token_log_probs(logits[:, :-1], tokens[:, 1:], temperature=temperature)
     if mask is not None:
         out = out * _check_mask(mask, tokens.shape)
     return out
+
+
+def _check_temperature(temperature: float) -> None:
+    if isinstance(temperature, bool) or not (
+        isinstance(temperature, (int, float)) and temperature > 0
+    ):
+        raise ValueError(
+            f"temperature must be a number > 0 (the behaviour log-probs' logprobs_temperature), "
+            f"got {temperature!r}"
+        )
 
 
 def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:

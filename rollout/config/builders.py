@@ -113,7 +113,7 @@ def manager_config(run: RunConfig, **changes: Any) -> RolloutManagerConfig:
         max_inflight_groups=None if r.partial_rollouts else r.prompts_per_step,
         initial_version=0, dynamic_sampling=r.dynamic_sampling, max_extra_groups=r.max_extra_groups,
         max_turns=r.max_turns, max_episode_tokens=r.max_episode_tokens or run.engine.max_sequence_length,
-        env_timeout_s=r.env_timeout_s,
+        env_timeout_s=r.env_timeout_s, logprobs_mode=r.logprobs_mode.value,
     )  # fmt: skip
     kwargs.update(changes)
     return RolloutManagerConfig(**kwargs)
@@ -127,6 +127,7 @@ def sampling_params(
     kwargs: dict[str, Any] = dict(
         temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, num_tokens_to_generate=r.max_new_tokens,
         stop_token_ids=list(stop_token_ids), return_log_probs=True,
+        logprobs_mode=r.logprobs_mode.value,
     )  # fmt: skip
     kwargs.update(changes)
     return SamplingParams(**kwargs)

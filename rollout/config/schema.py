@@ -15,6 +15,7 @@ from hydra.core.config_store import ConfigStore
 
 from rollout.engine.config import KV_POLICIES
 from rollout.protocol import SUSPEND_MODES
+from rollout.sampling import LOGPROBS_MODES
 from rollout.serving.coordinator.routing import POLICIES
 
 GROUPS = ("model", "engine", "coordinator", "rollout", "trainer", "logger", "recipe")
@@ -39,6 +40,7 @@ LossAgg = _enum("LossAgg", "token_mean", "seq_mean")
 WandbMode = _enum("WandbMode", "offline", "online", "disabled")
 WeightsSnapshot = _enum("WeightsSnapshot", "memory", "disk")
 WeightSyncTransport = _enum("WeightSyncTransport", "auto", "broadcast", "ipc")
+LogprobsMode = _enum("LogprobsMode", *LOGPROBS_MODES)
 
 
 class ConfigError(ValueError):
@@ -121,6 +123,9 @@ class RolloutCfg:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    # behaviour log-probs: processed = log_softmax(logits / temperature), what was sampled from
+    # (the loss recomputes them at that temperature); raw = at temperature 1
+    logprobs_mode: LogprobsMode = LogprobsMode.processed
     max_staleness: int = 1  # weight updates a trained token may lag behind
     stale_policy: StalePolicy = StalePolicy.drop
     kv_policy: KVPolicy = KVPolicy.recompute

@@ -331,7 +331,10 @@ class DynamicInferenceEngine:
         seq.prompt_lp = seq_lp = seq.prompt_lp[:start]
         seq.prompt_top_n = seq_top = seq.prompt_top_n[:start]
         targets = torch.tensor(seq.tokens[start + 1 : start + 1 + count])
-        lp, top = sampler.prompt_log_probs(logits[first : first + count], targets, top_n)
+        temperature = req.sampling_params.logprobs_temperature
+        lp, top = sampler.prompt_log_probs(
+            logits[first : first + count], targets, top_n, temperature
+        )
         seq_lp.extend(lp)
         seq_top.extend(top)
         if len(seq_lp) == req.prompt_length - 1:

@@ -6,8 +6,10 @@ request yields the same tokens whatever else shares the batch, and across evicti
 or suspend/resume (the position of a token never changes). The draw is plain integer
 arithmetic, identical on CPU and CUDA.
 
-Log-probs are log_softmax of the RAW logits (the model's distribution at temperature 1, before
-temperature/top-k/top-p): the quantity a trainer recomputes for the behaviour policy.
+Log-probs follow each request's `logprobs_mode`: log_softmax(logits / t) with t its
+`logprobs_temperature`, 1 for raw (the model's distribution) and the sampling temperature for
+processed (what was sampled from, before top-k/top-p). Either way it is the quantity a trainer
+recomputes from its own logits for the behaviour policy.
 
 `sample_isolated` keeps one bad row from costing the batch: when the batched call raises, each
 row is sampled alone (same tokens: a row's draw depends only on its own logits, params, seed and
@@ -42,7 +44,7 @@ def uniform(seed: int, position: int) -> float:
 @dataclass
 class SampleOutput:
     tokens: list[int]
-    log_probs: list[float] | None  # raw-logit log-prob of each sampled token
+    log_probs: list[float] | None  # log-prob of each sampled token (its logprobs_mode)
     top_n: list[dict[int, float]] | None  # per row, empty dict where not requested
 
 
@@ -71,7 +73,9 @@ def sample(
     want_lp = any(p.return_log_probs for p in params)
     max_n = max(p.top_n_logprobs for p in params)
     log_probs = top_n = None
-    logp = torch.log_softmax(logits, dim=-1) if want_lp or max_n else None
+    logp = (
+        _log_softmax(logits, [p.logprobs_temperature for p in params]) if want_lp or max_n else None
+    )
     if want_lp:  # tokens and their log-probs in one transfer (fp64 holds both exactly)
         lp = logp.gather(1, tokens[:, None]).squeeze(1)
         token_list, log_probs = torch.stack((tokens.double(), lp.double())).tolist()
@@ -86,6 +90,13 @@ def sample(
             for i, p in enumerate(params)
         ]
     return SampleOutput(token_list, log_probs, top_n)
+
+
+def _log_softmax(logits: torch.Tensor, temps: Sequence[float]) -> torch.Tensor:
+    """log_softmax(logits / t) per row ([B, V] and one t per row), skipping the divide at 1."""
+    if all(t == 1.0 for t in temps):
+        return torch.log_softmax(logits, dim=-1)
+    return torch.log_softmax(logits / to_device(temps, logits.dtype, logits.device)[:, None], -1)
 
 
 def to_device(
@@ -191,11 +202,13 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def prompt_log_probs(
-    logits: torch.Tensor, targets: torch.Tensor, top_n: int = 0
+    logits: torch.Tensor, targets: torch.Tensor, top_n: int = 0, temperature: float = 1.0
 ) -> tuple[list[float], list[dict[int, float]]]:
-    """logits [T, V] predicting targets [T] -> (raw-logit log-probs of those targets, the top
-    `top_n` {token: log-prob} of each position; empty when top_n is 0)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    """logits [T, V] predicting targets [T] -> (log-probs of those targets at `temperature`
+    (the request's logprobs_temperature), the top `top_n` {token: log-prob} of each position;
+    empty when top_n is 0)."""
+    logits = logits.float()
+    logp = torch.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
     lp = logp.gather(1, targets[:, None].to(logp.device)).squeeze(1).tolist()
     if not top_n:
         return lp, []

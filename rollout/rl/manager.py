@@ -68,7 +68,7 @@ from rollout.rl.episodes import EpisodeLimits, EpisodeRecord, EpisodeRunner
 from rollout.rl.groups import Group, Result, hand_out, stale_indices, zero_variance
 from rollout.rl.samples import Sample, request_error
 from rollout.rl.staleness import VersionHistory
-from rollout.sampling import SamplingParams
+from rollout.sampling import LOGPROBS_MODES, SamplingParams
 from rollout.serving.cluster import EngineCluster
 from rollout.serving.cluster_engine import ClusterEngine
 from rollout.weights.state import as_state_dict
@@ -110,8 +110,15 @@ class RolloutManagerConfig:
     env_timeout_s: float = 60.0  # episodes: one Environment.reset/step call
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
     max_extra_groups: int | None = None  # dynamic sampling: extra groups per batch; None = batch
+    # Behaviour log-probs of every request: processed = log_softmax(logits / T), what was
+    # sampled from (TRL/veRL's convention: the IS ratio is exact at T != 1); raw = T 1.
+    logprobs_mode: str = "processed"
 
     def __post_init__(self) -> None:
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
+            )
         if isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 1:
             raise ValueError(f"dp must be an int >= 1, got {self.dp!r}")
         if self.mode not in MODES:
@@ -452,7 +459,15 @@ class RolloutManager:
         sp = sp if sp is not None else SamplingParams()
         if not isinstance(sp, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
-        return sp if sp.return_log_probs else sp.replace(return_log_probs=True)
+        mode = self.config.logprobs_mode
+        if sp.logprobs_mode not in (None, mode):  # one mode per run: the loss recomputes one
+            raise ValueError(
+                f"sampling_params.logprobs_mode={sp.logprobs_mode!r} differs from the manager's "
+                f"logprobs_mode={mode!r}; leave it None or configure the manager"
+            )
+        if sp.return_log_probs and sp.logprobs_mode == mode:
+            return sp
+        return sp.replace(return_log_probs=True, logprobs_mode=mode)
 
     def _inflight_cap(self, batch_size_groups: int) -> int:
         cap = self.config.max_inflight_groups

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollout.engine.intake import RequestError
-from rollout.sampling import SamplingParams
+from rollout.sampling import VLLM_LOGPROBS_MODES, SamplingParams
 from rollout.serving.auth import tokens_match
 from rollout.serving.client import ClientStopped, InferenceClient, Partial, RequestFailed
 from rollout.serving.http.chat import render_chat
@@ -57,6 +57,7 @@ class Backend:
         self.chat_template = chat_template
         self.special_tokens = special_tokens
         self.http_token = http_token
+        self.logprobs_mode = "raw_logprobs"  # of requests that name none (--logprobs-mode)
         self.metrics = HTTPMetrics()
         self.created = int(time.time())
 
@@ -82,11 +83,16 @@ def build_app(
     chat_template: str | None = None,
     special_tokens: dict[str, str] | None = None,
     http_token: str | None = None,
+    logprobs_mode: str = "raw_logprobs",
 ) -> FastAPI:
     """The app for the coordinator at `address` (joined with its `auth_token`). `http_token`:
-    the bearer token every /v1 route and /metrics require (None: no HTTP auth)."""
+    the bearer token every /v1 route and /metrics require (None: no HTTP auth).
+    `logprobs_mode`: vLLM's spelling, for requests that name none."""
+    if logprobs_mode not in VLLM_LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {sorted(VLLM_LOGPROBS_MODES)}, got {logprobs_mode!r}")  # fmt: skip
     be = Backend(address, auth_token, tokenizer, model_name, chat_template,
                  special_tokens or {}, http_token)  # fmt: skip
+    be.logprobs_mode = logprobs_mode
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -230,7 +236,7 @@ async def _generate(be: Backend, req: Any, request: Request, prompts: list[list[
     if req.model and req.model != be.model_name:
         raise APIError(404, f"model {req.model!r} does not exist (this server serves "
                             f"{be.model_name!r})", param="model", code="model_not_found")  # fmt: skip
-    sps = sampling_params(req)
+    sps = sampling_params(req, be.logprobs_mode)
     await _check_wait(be, req, request)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     if req.stream:

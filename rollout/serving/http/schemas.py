@@ -4,8 +4,9 @@ SamplingParams.
 Field names are OpenAI's; unknown fields are ignored (clients send many optional ones), while
 parameters this server cannot honour (penalties, logit_bias, best_of) are refused rather than
 silently dropped, since a caller relying on them would get different samples. Extension fields:
-`top_k`, `ignore_eos`, `stop_token_ids`, and `wait` (false: answer 503 instead of waiting while
-engines are paused or suspended).
+`top_k`, `ignore_eos`, `stop_token_ids`, `logprobs_mode` (vLLM's values raw_logprobs |
+processed_logprobs; default: the server's --logprobs-mode), and `wait` (false: answer 503
+instead of waiting while engines are paused or suspended).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout.sampling import SamplingParams
+from rollout.sampling import VLLM_LOGPROBS_MODES, SamplingParams
 
 # SamplingParams field -> the OpenAI parameter a caller set it through (for error `param`).
 PARAM_NAMES = {
@@ -68,6 +69,7 @@ class _Common(BaseModel):
     top_k: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    logprobs_mode: str | None = None
     wait: bool = True
 
     def include_usage(self) -> bool:
@@ -113,11 +115,20 @@ def _refuse_unsupported(req: _Common) -> None:
         raise bad_request(f"n must be in [1, 128], got {req.n}", "n")
 
 
-def sampling_params(req: CompletionRequest | ChatRequest) -> list[SamplingParams]:
+def sampling_params(
+    req: CompletionRequest | ChatRequest, logprobs_mode: str = "raw_logprobs"
+) -> list[SamplingParams]:
     """One SamplingParams per choice (n of them; seeds seed+i when a seed is given). Log-probs
-    are always computed: every choice returns `token_logprobs`. ValueError from SamplingParams
-    becomes a 400 naming the OpenAI parameter."""
+    are always computed: every choice returns `token_logprobs`, in the request's
+    `logprobs_mode` or else the server's. ValueError from SamplingParams becomes a 400 naming
+    the OpenAI parameter."""
     _refuse_unsupported(req)
+    mode = req.logprobs_mode or logprobs_mode
+    if mode not in VLLM_LOGPROBS_MODES:
+        raise bad_request(
+            f"logprobs_mode must be one of {sorted(VLLM_LOGPROBS_MODES)}, got {mode!r}",
+            "logprobs_mode",
+        )
     if isinstance(req, ChatRequest):
         max_tokens = req.max_completion_tokens or req.max_tokens or DEFAULT_CHAT_MAX_TOKENS
         top_n = (req.top_logprobs or 0) if req.logprobs else 0
@@ -131,6 +142,7 @@ def sampling_params(req: CompletionRequest | ChatRequest) -> list[SamplingParams
         "return_log_probs": True,
         "top_n_logprobs": top_n,
         "ignore_eos": req.ignore_eos,
+        "logprobs_mode": VLLM_LOGPROBS_MODES[mode],
     }
     for name in ("temperature", "top_p", "top_k"):
         if getattr(req, name) is not None:
