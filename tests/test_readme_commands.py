@@ -71,6 +71,7 @@ SNIPPETS = {
     "### Multi-turn, tool-using episodes": "test_episode_snippet",
     "### As an inference library": "test_inference_snippet",
     "### OpenAI-compatible HTTP": "test_http_section",
+    "### TRL's GRPOTrainer": "test_trl_snippet",
 }
 # README commands no test runs, each with the reason; keep this short.
 NOT_RUN = {
@@ -576,6 +577,43 @@ def test_trainer_snippet():
         assert manager.version == 2
     finally:
         manager.close()
+
+
+@pytest.mark.clients
+@pytest.mark.timeout(300)
+def test_trl_snippet(tmp_path):
+    """The TRL block: 2 GRPO steps on a tiny checkpoint, weights pushed after each."""
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+    import datasets
+    import trl
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(ROOT / "tests" / "clients"))
+    from test_trl_grpo import build_checkpoint
+
+    from rollout.models import load_pretrained
+    from rollout.rl.manager import RolloutManager, RolloutManagerConfig
+    from rollout.tokenizers import load_tokenizer
+
+    ckpt = tmp_path / "ckpt"
+    build_checkpoint(ckpt)
+    defaults = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4,
+                    num_generations=4, max_completion_length=4, max_steps=2, report_to=[],
+                    use_cpu=True, save_strategy="no")  # fmt: skip
+    names = dict(
+        ckpt=ckpt, load_pretrained=load_pretrained, RolloutManager=RolloutManager,
+        RolloutManagerConfig=RolloutManagerConfig, load_tokenizer=load_tokenizer,
+        GRPOTrainer=trl.GRPOTrainer, GRPOConfig=lambda *_, **kw: trl.GRPOConfig(**{**defaults, **kw}),
+        reward=lambda completions, **kw: [float(len(c)) for c in completions],
+        dataset=datasets.Dataset.from_dict({"prompt": ["abc>", "xyz>"]}),
+        tokenizer=AutoTokenizer.from_pretrained(ckpt),
+    )  # fmt: skip
+    ns = exec_snippet("### TRL's GRPOTrainer", names)
+    try:
+        assert ns["trainer"].state.global_step == 2
+        assert ns["manager"].version == 3  # train start + one push per step
+    finally:
+        ns["manager"].close()
 
 
 def test_episode_snippet():
