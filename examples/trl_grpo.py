@@ -18,6 +18,8 @@ from pathlib import Path
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 import datasets
+import torch
+import transformers
 import trl
 from transformers import AutoTokenizer
 
@@ -69,12 +71,39 @@ def main(argv: list[str]) -> None:
           f"{last['rollout/version']:.0f}; policy staleness max {last['staleness/policy_max']:.0f}")  # fmt: skip
 
 
-def _tiny_checkpoint(path: Path) -> Path:
-    """A character tokenizer and a random 2-layer Llama in HF layout (what the tests build)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "clients"))
-    from test_trl_grpo import build_checkpoint
+CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789 >")
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 
-    build_checkpoint(path)
+
+def build_checkpoint(path: Path) -> None:
+    """A character-level HF tokenizer and a random tiny Llama, in HF layout."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])  # fmt: skip
+    hf_tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+    hf_tok.save_pretrained(path)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():  # peaked enough that T=0.7 and T=1 differ clearly
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    model.save_pretrained(path)
+
+
+def _tiny_checkpoint(path: Path) -> Path:
+    if not (path / "config.json").is_file():
+        build_checkpoint(path)
     return path
 
 

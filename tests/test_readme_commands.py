@@ -588,8 +588,8 @@ def test_trl_snippet(tmp_path):
     import trl
     from transformers import AutoTokenizer
 
-    sys.path.insert(0, str(ROOT / "tests" / "clients"))
-    from test_trl_grpo import build_checkpoint
+    sys.path.insert(0, str(ROOT / "examples"))
+    from trl_grpo import build_checkpoint
 
     from rollout.models import load_pretrained
     from rollout.rl.manager import RolloutManager, RolloutManagerConfig

@@ -75,6 +75,11 @@ class TRLRollout:
     def attach(self, trainer: Any, importance_sampling: bool = True) -> Any:
         """Put the callback first (its on_log fills `logs` before any reporter reads them) and
         optionally turn on TRL's importance-sampling correction. Returns the trainer."""
+        if getattr(trainer, "tools", None) or getattr(trainer, "environment_factories", None):
+            raise ValueError(
+                "GRPOTrainer tools/environment_factory run TRL's own generation after rollout_func; "
+                "use rollout's episodes (rollout.rl.environment) instead"
+            )
         trainer.callback_handler.callbacks.insert(0, self.callback)
         if importance_sampling:
             missing = [a for a in ("use_vllm", "vllm_importance_sampling_correction") if not hasattr(trainer, a)]  # fmt: skip
@@ -110,13 +115,12 @@ class TRLRollout:
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list]:
         """TRL's rollout_func: one completion per entry of `prompts`, in order."""
         sp = self.sampling_params(trainer)
-        tok = trainer.processing_class
         runs = prompt_runs(prompts)
         samples: list[Sample] = []
         with self.hooks.rollout():
             by_n: dict[int, list[Sample]] = {}
             for n in sorted({k for _, k in runs}):  # usually one call: every run is a group
-                ids = [_prompt_ids(tok, p) for p, k in runs if k == n]
+                ids = [_prompt_ids(trainer, p) for p, k in runs if k == n]
                 by_n[n] = self.manager.generate(ids, n=n, sampling_params=sp)
         cursor = dict.fromkeys(by_n, 0)
         for _, n in runs:
@@ -193,11 +197,17 @@ class _EnginesInStep:
             raise RuntimeError("the engines do not hold the trainer's weights (no on_step_end push)")  # fmt: skip
 
 
-def _prompt_ids(tok: Any, prompt: Any) -> list[int]:
-    """Token ids as TRL's own generation path makes them: chat template for messages."""
+def _prompt_ids(trainer: Any, prompt: Any) -> list[int]:
+    """Token ids as TRL's own generation path makes them (`_tokenize_prompts`): the trainer's
+    chat template for messages, the tokenizer's own special tokens for text."""
+    tok = trainer.processing_class
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-        out = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)  # fmt: skip
-        return list(out["input_ids"])
+        out = tok.apply_chat_template(
+            conversation=[prompt], chat_template=getattr(trainer, "chat_template", None),
+            add_generation_prompt=True, tokenize=True, return_dict=True,
+            **(getattr(trainer, "chat_template_kwargs", None) or {}),
+        )  # fmt: skip
+        return list(out["input_ids"][0])
     return list(tok(text=prompt)["input_ids"])
 
 

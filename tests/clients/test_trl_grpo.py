@@ -1,11 +1,14 @@
 """TRL's GRPOTrainer trains through `trainer_hooks.trl` on a tiny local HF checkpoint (random
-weights, a character tokenizer built here): TRL's own importance-sampling ratio is 1 at identical
+weights, the character tokenizer examples/trl_grpo.py builds): TRL's own importance-sampling ratio is 1 at identical
 weights at T=0.7 and T=1, the engines hold the trainer's weights after every optimizer step, and
 the manager's metrics reach the Trainer's logs."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,34 +19,8 @@ transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
-CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789 >")
-SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
-
-
-def build_checkpoint(path) -> None:
-    """A character-level HF tokenizer and a random tiny Llama, in HF layout."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-
-    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tk.decoder = decoders.Fuse()
-    tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])  # fmt: skip
-    hf_tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
-    )
-    hf_tok.save_pretrained(path)
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():  # peaked enough that T=0.7 and T=1 differ clearly
-        for p in model.parameters():
-            p.normal_(0.0, 0.3)
-    model.save_pretrained(path)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from trl_grpo import build_checkpoint  # noqa: E402  (the example's tiny checkpoint)
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
@@ -120,3 +97,14 @@ def test_grpo_trains_through_the_integration(tmp_path, temperature):
         assert h["sampling/sampling_logp_difference/max"] < 1e-4
         assert "weight_sync/seconds" in h and "staleness/policy_max" in h  # on_log
         assert h["rollout/groups"] == 2.0  # 8 completions = 2 prompts x 4, each sent once
+
+
+def test_the_example_runs_as_written(tmp_path):
+    """examples/trl_grpo.py, as the README runs it: IS ratios 1, weights pushed every step."""
+    example = Path(__file__).resolve().parents[2] / "examples" / "trl_grpo.py"
+    out = subprocess.run([sys.executable, str(example), "--steps", "2"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = out.stdout.strip().splitlines()[-1]
+    assert line.startswith("IS ratio [0.99") or line.startswith("IS ratio [1.00"), line
+    assert "engine weight version 3" in line, line
