@@ -148,11 +148,13 @@ class SamplingParams:
         if self.seed is not None:
             self.seed = _int("seed", self.seed, 0, _SEED_LIMIT)
         self.ignore_eos = _bool("ignore_eos", self.ignore_eos)
-        if self.logprobs_mode is not None and self.logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(
-                f"logprobs_mode must be one of {LOGPROBS_MODES} or None, "
-                f"got {_short(self.logprobs_mode)}"
-            )
+        if self.logprobs_mode is not None:
+            if self.logprobs_mode not in LOGPROBS_MODES:
+                raise ValueError(
+                    f"logprobs_mode must be one of {LOGPROBS_MODES} or None, "
+                    f"got {_short(self.logprobs_mode)}"
+                )  # a str subclass (a config enum) becomes the plain str msgpack can carry
+            self.logprobs_mode = LOGPROBS_MODES[LOGPROBS_MODES.index(self.logprobs_mode)]
 
     @property
     def is_greedy(self) -> bool:
@@ -224,6 +226,7 @@ def _already_valid(d: dict[str, Any]) -> bool:
         and type(d["return_log_probs"]) is bool
         and type(d["return_prompt_log_probs"]) is bool
         and type(d["ignore_eos"]) is bool
+        and (d["logprobs_mode"] is None or type(d["logprobs_mode"]) is str)
         and d["logprobs_mode"] in _MODES_OR_NONE
         and type(words) is list
         and len(words) <= MAX_STOP_WORDS

@@ -39,6 +39,14 @@ def test_field_defaults_to_none_and_refuses_anything_else():
         sp.check()
 
 
+def test_a_str_enum_becomes_a_plain_str():
+    from rollout.config.schema import LogprobsMode
+
+    sp = SamplingParams(logprobs_mode=LogprobsMode.processed)
+    assert type(sp.logprobs_mode) is str and sp.logprobs_mode == "processed"
+    msgpack.packb(sp.serialize())  # a str subclass would not pack
+
+
 @pytest.mark.parametrize("mode", [None, "raw", "processed"])
 def test_wire_round_trip_keeps_the_mode(mode):
     sp = SamplingParams(temperature=0.7, logprobs_mode=mode)
