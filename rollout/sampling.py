@@ -153,7 +153,7 @@ class SamplingParams:
                 raise ValueError(
                     f"logprobs_mode must be one of {LOGPROBS_MODES} or None, "
                     f"got {_short(self.logprobs_mode)}"
-                )  # a str subclass (a config enum) becomes the plain str msgpack can carry
+                )  # a str subclass (a config enum) is stored as the plain str it equals
             self.logprobs_mode = LOGPROBS_MODES[LOGPROBS_MODES.index(self.logprobs_mode)]
 
     @property

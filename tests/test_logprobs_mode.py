@@ -44,7 +44,7 @@ def test_a_str_enum_becomes_a_plain_str():
 
     sp = SamplingParams(logprobs_mode=LogprobsMode.processed)
     assert type(sp.logprobs_mode) is str and sp.logprobs_mode == "processed"
-    msgpack.packb(sp.serialize())  # a str subclass would not pack
+    assert SamplingParams.deserialize(msgpack.unpackb(msgpack.packb(sp.serialize()))) == sp
 
 
 @pytest.mark.parametrize("mode", [None, "raw", "processed"])
