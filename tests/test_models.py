@@ -178,13 +178,13 @@ def test_load_from_a_missing_directory_raises_file_not_found(tmp_path):
             "num_key_value_heads=3 does not divide",
         ),
         ({"architecture": "gpt2"}, "architecture"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "yarn"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "longrope"),
     ],
     ids=[
         "heads-not-dividing-hidden",
         "kv-heads-not-dividing-heads",
         "architecture-gpt2",
-        "rope-yarn",
+        "rope-longrope",
     ],
 )
 def test_config_validation(kw, match):

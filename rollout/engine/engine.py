@@ -83,6 +83,13 @@ class DynamicInferenceEngine:
             raise ValueError(
                 "model must expose .config and .forward_paged (rollout.models.DecoderLM)"
             )
+        window = getattr(self.model_config, "sliding_window", None)
+        if window is not None and window < config.max_sequence_length:
+            raise ValueError(
+                f"the model's sliding_window={window} is shorter than max_sequence_length="
+                f"{config.max_sequence_length}: sliding-window attention is not supported; "
+                f"serve at most {window} tokens per sequence"
+            )
         param = next(model.parameters())
         device = torch.device(config.device) if config.device is not None else param.device
         dtype = config.torch_dtype or param.dtype

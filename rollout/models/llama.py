@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 1/2/3, Qwen2) in plain torch, gpt-fast style.
+"""Llama-family decoder (Llama 1/2/3, Mistral, Qwen2, Qwen3, Qwen2/3-MoE) in plain torch,
+gpt-fast style.
 
 Module and parameter names equal Hugging Face's (`model.layers.N.self_attn.q_proj.weight`, ...),
 so trainer state dicts and HF checkpoints load the same way. Two entry points:
@@ -8,7 +9,6 @@ so trainer state dicts and HF checkpoints load the same way. Two entry points:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -22,7 +22,9 @@ from rollout.models.attention import (
     paged_attention,
 )
 from rollout.models.config import ModelConfig
+from rollout.models.moe import MLP, SparseMoeBlock
 from rollout.models.packed import PackedLinears
+from rollout.models.rope import rope_inv_freq
 
 Linear = Callable[[torch.Tensor, nn.Linear], torch.Tensor]
 
@@ -45,32 +47,13 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """fp32 inverse frequencies [head_dim/2], with Llama-3 frequency-dependent scaling if set."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (
-        config.rope_theta
-        ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
-    )
-    s = config.rope_scaling
-    if not s:
-        return inv_freq
-    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-    old_ctx = s["original_max_position_embeddings"]
-    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(medium, smoothed, scaled)
-
-
 class Rotary:
     """cos/sin for arbitrary positions; inv_freq stays fp32 whatever dtype the model is cast to."""
 
     def __init__(self, config: ModelConfig) -> None:
-        self.inv_freq = rope_inv_freq(config)
+        self.inv_freq, self.scale = rope_inv_freq(config.head_dim, config.rope_theta,
+                                                  config.rope_scaling,
+                                                  config.max_position_embeddings)  # fmt: skip
         self._per_device: dict[torch.device, torch.Tensor] = {}
 
     def __call__(
@@ -81,7 +64,10 @@ class Rotary:
             inv = self._per_device[positions.device] = self.inv_freq.to(positions.device)
         freqs = positions.float()[..., None] * inv  # [..., D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.scale != 1.0:  # yarn's attention factor, applied as transformers does
+            cos, sin = cos * self.scale, sin * self.scale
+        return cos.to(dtype), sin.to(dtype)
 
     def paged(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -120,14 +106,21 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(h, config.q_size, bias=bias)
         self.k_proj = nn.Linear(h, config.kv_size, bias=bias)
         self.v_proj = nn.Linear(h, config.kv_size, bias=bias)
-        # Llama's attention_bias covers o_proj too; Qwen2's q/k/v biases do not.
-        self.o_proj = nn.Linear(config.q_size, h, bias=bias and config.architecture == "llama")
+        # Llama's/Qwen3's attention_bias covers o_proj too; Qwen2's q/k/v biases do not.
+        self.o_proj = nn.Linear(config.q_size, h, bias=config.o_proj_bias)
+        if config.qk_norm:  # Qwen3: RMSNorm over each head of q and k, before RoPE
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         shape = x.shape[:-1]
         q = self.q_proj(x).view(*shape, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(*shape, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(*shape, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -151,35 +144,25 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Inference only (tensors are updated in place): x [N, hidden], rope from Rotary.paged."""
         n = x.shape[0]
-        q = rope_(linear(x, self.q_proj).view(n, self.num_heads, self.head_dim), *rope)
-        k = rope_(linear(x, self.k_proj).view(n, self.num_kv_heads, self.head_dim), *rope)
+        q = linear(x, self.q_proj).view(n, self.num_heads, self.head_dim)
+        k = linear(x, self.k_proj).view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope_(q, *rope), rope_(k, *rope)
         v = linear(x, self.v_proj).view(n, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, k_cache, v_cache, plan, self.scale)
         return linear(out.reshape(n, -1), self.o_proj)
 
 
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=False)
-        self.up_proj = nn.Linear(h, i, bias=False)
-        self.down_proj = nn.Linear(i, h, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-    def forward_paged(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
-        """Inference only: silu and the product in place (no [N, intermediate] temporaries)."""
-        h = F.silu(linear(x, self.gate_proj), inplace=True)
-        return linear(h.mul_(linear(x, self.up_proj)), self.down_proj)
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
         self.self_attn = Attention(config)
-        self.mlp = MLP(config)
+        self.is_sparse = config.is_sparse_layer(index)
+        if self.is_sparse:
+            self.mlp: MLP | SparseMoeBlock = SparseMoeBlock(config)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -194,7 +177,9 @@ class Backbone(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -275,7 +260,7 @@ class DecoderLM(nn.Module):
     ) -> torch.Tensor:
         """`forward_paged` for one decode token per row, every shape fixed by the inputs' sizes
         and no host work: what a CUDA graph captures (rollout.engine.cuda_graphs)."""
-        return self._paged_layers(input_ids, positions, plan, kv_cache)
+        return self._paged_layers(input_ids, positions, plan, kv_cache, static=True)
 
     def _paged_layers(
         self,
@@ -283,6 +268,7 @@ class DecoderLM(nn.Module):
         positions: torch.Tensor,
         plan: AttentionPlan | StaticDecodePlan,
         kv_cache: torch.Tensor,
+        static: bool = False,
     ) -> torch.Tensor:
         linear = self.packed
         x = self.model.embed_tokens(input_ids)
@@ -291,7 +277,11 @@ class DecoderLM(nn.Module):
             x += layer.self_attn.forward_paged(
                 layer.input_layernorm(x), rope, plan, kv_cache[0, i], kv_cache[1, i], linear
             )
-            x += layer.mlp.forward_paged(layer.post_attention_layernorm(x), linear)
+            h = layer.post_attention_layernorm(x)
+            if static and layer.is_sparse:  # no host sync inside a CUDA graph
+                x += layer.mlp.forward_static(h, linear)
+            else:
+                x += layer.mlp.forward_paged(h, linear)
         return self.model.norm(x)
 
     @torch.no_grad()
@@ -308,7 +298,8 @@ def build_model(
     dtype: torch.dtype | None = None,
     seed: int | None = None,
 ) -> DecoderLM:
-    """Randomly initialised `DecoderLM` (std 0.02 like HF Llama, norms at 1, biases at 0)."""
+    """Randomly initialised `DecoderLM` (std 0.02 like HF Llama, norms at 1, biases at 0;
+    MoE routers and experts at std 0.02 too)."""
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     model = DecoderLM(config)
     with torch.no_grad():

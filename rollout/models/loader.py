@@ -1,7 +1,8 @@
 """HF checkpoint I/O: `config.json` + `model.safetensors` (or sharded with an index).
 
-Parameter names equal HF's, so loading is a name/shape check and a copy. Unknown architectures,
-missing, unexpected or mis-shaped tensors raise `ValueError` naming them.
+Parameter names equal HF's, so loading is a name/shape check and a copy (MoE experts, saved one
+by one, are stacked on the way in and split on the way out: rollout.models.names). Unknown
+architectures, missing, unexpected or mis-shaped tensors raise `ValueError` naming them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from safetensors.torch import save_file
 
 from rollout.models.config import ModelConfig
 from rollout.models.llama import DecoderLM
+from rollout.models.names import split_experts, stack_experts
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -51,9 +53,11 @@ def load_state_dict(
 ) -> list[str]:
     """Copy HF-named tensors into `model` (casting dtype/device); returns the names loaded.
 
-    Handles tied embeddings (`lm_head.weight` optional). With strict=True every parameter must
-    be given and no unknown name may appear.
+    Handles tied embeddings (`lm_head.weight` optional) and per-expert MoE names. With
+    strict=True every parameter must be given and no unknown name may appear.
     """
+    if model.config.num_experts:
+        tensors = stack_experts(tensors, model.config.num_experts)
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = model.config.tie_word_embeddings
     unexpected = [n for n in tensors if n not in params and not n.endswith(_IGNORED_SUFFIXES)]
@@ -119,10 +123,10 @@ def save_pretrained(
     max_shard_bytes. Returns the safetensors files written."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    state = {
+    state = split_experts({
         n: p.detach().to("cpu").contiguous()
         for n, p in model.named_parameters()  # duplicates removed: a tied head is saved once
-    }
+    })  # fmt: skip
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
     hf = config.to_hf()
