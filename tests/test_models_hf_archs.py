@@ -5,14 +5,22 @@ model cannot honour is refused by name."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from proc_io import read_until, stop_all
 
 from rollout import LLM, InferenceConfig, SamplingParams
 from rollout.models import ModelConfig, build_model, load_pretrained, save_pretrained
 from rollout.models.moe import Experts, Router
+from rollout.serving.client import InferenceClient
+from rollout.tokenizers import ByteTokenizer
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(240)
@@ -207,3 +215,56 @@ def test_config_json_round_trips_for_every_architecture(tmp_path):
         save_hf(case, hf, tmp_path / case)
         config = ModelConfig.from_hf(json.loads((tmp_path / case / "config.json").read_text()))
         assert ModelConfig.from_hf(config.to_hf()) == config
+
+
+def test_engine_processes_match_transformers_across_an_update_from_the_hf_model(tmp_path):
+    """Coordinator mode: engines load the folder in their own processes; `update_weights` takes
+    the trainer's HF model object itself (its names are the engine's)."""
+    hf = make_hf("qwen3-moe")
+    save_hf("qwen3-moe", hf, tmp_path)
+    ByteTokenizer().save(tmp_path)  # engine processes load the folder's tokenizer
+    cfg = InferenceConfig(block_size=8, max_requests=8, max_tokens_per_step=64,
+                          max_sequence_length=128)  # fmt: skip
+    llm = LLM(str(tmp_path), None, cfg, use_coordinator=True)
+    try:
+        assert_engine_matches(llm, hf)
+        _perturb(hf, seed=11, std=0.2)
+        acks = llm.update_weights(hf, 1)
+        assert {a["weight_version"] for a in acks.values()} == {1}
+        assert_engine_matches(llm, hf)
+    finally:
+        llm.shutdown()
+
+
+def test_rollout_serve_matches_transformers(tmp_path):
+    hf = make_hf("qwen3")
+    save_hf("qwen3", hf, tmp_path)
+    ByteTokenizer().save(tmp_path)  # token-id prompts below; the folder needs some tokenizer
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "rollout.cli", "serve", "--model", str(tmp_path), "--dp", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
+    try:
+        address = read_until(serve, r"coordinator (tcp://\S+) pid")[1]
+        token_file = read_until(serve, r"auth token file (\S+)")[1]
+        read_until(serve, r"^ready")
+        token = Path(token_file).read_text().strip()
+        sp = SamplingParams(temperature=0.0, num_tokens_to_generate=NEW_TOKENS,
+                            return_log_probs=True, ignore_eos=True)  # fmt: skip
+
+        async def generate() -> list:
+            client = await InferenceClient(address, auth_token=token).start()
+            try:
+                recs = await asyncio.gather(*[client.add_request(p, sp) for p in PROMPTS])
+                return [r.merge() for r in recs]
+            finally:
+                client.stop()
+
+        for prompt, req in zip(PROMPTS, asyncio.run(generate()), strict=True):
+            tokens, lps = hf_reference(hf, prompt)
+            assert req.generated_tokens == tokens
+            diff = (torch.tensor(req.generated_log_probs) - torch.tensor(lps)).abs().max().item()
+            assert diff <= TOLERANCE, diff
+    finally:
+        stop_all([serve])
