@@ -268,3 +268,26 @@ def test_rollout_serve_matches_transformers(tmp_path):
             assert diff <= TOLERANCE, diff
     finally:
         stop_all([serve])
+
+
+def test_recipe_config_hf_dir_builds_a_trainable_moe(tmp_path):
+    """`model=hf_dir model.path=...` on a Qwen3-MoE folder: the trainer gets the engine's model
+    class with the checkpoint's weights, and gradients reach the router and the experts."""
+    from rollout.config import load_config
+    from rollout.config.builders import build_model_and_tokenizer
+
+    hf = make_hf("qwen3-moe")
+    hf.config.vocab_size = 260  # room for the byte tokenizer's ids
+    hf.resize_token_embeddings(260)
+    save_hf("qwen3-moe", hf, tmp_path)
+    ByteTokenizer().save(tmp_path)
+    run = load_config(["model=hf_dir", f"model.path={tmp_path}", "model.device=cpu",
+                       "model.dtype=float32"])  # fmt: skip
+    model, tok, mc = build_model_and_tokenizer(run)
+    assert mc.architecture == "qwen3_moe" and model.training and tok.vocab_size == 259
+    ids = torch.tensor([PROMPTS[2]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), hf(ids).logits, rtol=0, atol=1e-5)
+    model(ids).logsumexp(-1).sum().backward()
+    layer = model.model.layers[0].mlp
+    assert layer.gate.weight.grad.abs().sum() > 0 and layer.experts.down_proj.grad.abs().sum() > 0

@@ -95,7 +95,7 @@ class Experts(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts)
         token_of = order // k
         y = grouped_expert_mlp(x[token_of], counts, self.gate_up_proj, self.down_proj)
-        y.mul_(weights.reshape(-1)[order, None])
+        y = y * weights.reshape(-1)[order, None]  # out of place: the trainer backpropagates
         return torch.zeros_like(x).index_add_(0, token_of, y)
 
     def forward_static(
@@ -123,7 +123,7 @@ def grouped_expert_mlp(
         if n:
             rows = x_sorted[start : start + n]
             gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
-            out[start : start + n] = F.linear(F.silu(gate).mul_(up), down[e])
+            out[start : start + n] = F.linear(F.silu(gate) * up, down[e])
             start += n
     return out
 
