@@ -17,7 +17,13 @@ import torch
 from proc_io import read_until, stop_all
 
 from rollout import LLM, InferenceConfig, SamplingParams
-from rollout.models import ModelConfig, build_model, load_pretrained, save_pretrained
+from rollout.models import (
+    ModelConfig,
+    build_model,
+    from_transformers,
+    load_pretrained,
+    save_pretrained,
+)
 from rollout.models.moe import Experts, Router
 from rollout.serving.client import InferenceClient
 from rollout.tokenizers import ByteTokenizer
@@ -121,6 +127,20 @@ def test_engine_matches_transformers_before_and_after_a_weight_update(tmp_path, 
     assert_engine_matches(llm, hf)
 
 
+def test_from_transformers_copies_the_model_and_refuses_other_architectures():
+    hf = make_hf("qwen2-moe-shared-expert")
+    ours, config = from_transformers(hf)
+    assert config.shared_expert_intermediate_size == 24 and config.architecture == "qwen2_moe"
+    ids = torch.tensor([PROMPTS[2]])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, rtol=0, atol=1e-5)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        from_transformers(gpt2)
+    with pytest.raises(ValueError, match="from_transformers"):
+        LLM(hf, None)  # the engine runs its own model class
+
+
 def test_round_trip_through_our_saver_loads_in_transformers(tmp_path):
     """save_pretrained writes experts one by one (transformers' disk layout) and a config
     transformers reads: both models give the same logits."""
@@ -217,15 +237,13 @@ def test_config_json_round_trips_for_every_architecture(tmp_path):
         assert ModelConfig.from_hf(config.to_hf()) == config
 
 
-def test_engine_processes_match_transformers_across_an_update_from_the_hf_model(tmp_path):
-    """Coordinator mode: engines load the folder in their own processes; `update_weights` takes
-    the trainer's HF model object itself (its names are the engine's)."""
+def test_engine_processes_match_transformers_across_an_update_from_the_hf_model():
+    """Coordinator mode started from the trainer's transformers model object (engines load a
+    converted copy in their own processes); `update_weights` takes that object itself."""
     hf = make_hf("qwen3-moe")
-    save_hf("qwen3-moe", hf, tmp_path)
-    ByteTokenizer().save(tmp_path)  # engine processes load the folder's tokenizer
     cfg = InferenceConfig(block_size=8, max_requests=8, max_tokens_per_step=64,
                           max_sequence_length=128)  # fmt: skip
-    llm = LLM(str(tmp_path), None, cfg, use_coordinator=True)
+    llm = LLM(hf, None, cfg, use_coordinator=True)
     try:
         assert_engine_matches(llm, hf)
         _perturb(hf, seed=11, std=0.2)

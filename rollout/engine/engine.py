@@ -81,7 +81,8 @@ class DynamicInferenceEngine:
         self.model_config = getattr(model, "config", None)
         if self.model_config is None or not hasattr(model, "forward_paged"):
             raise ValueError(
-                "model must expose .config and .forward_paged (rollout.models.DecoderLM)"
+                "model must expose .config and .forward_paged (rollout.models.DecoderLM; "
+                "rollout.models.from_transformers converts a transformers model)"
             )
         window = getattr(self.model_config, "sliding_window", None)
         if window is not None and window < config.max_sequence_length:

@@ -163,3 +163,28 @@ def _split(state: dict[str, torch.Tensor], max_bytes: int | None) -> list[dict[s
         shards[-1][name] = t
         size += nbytes
     return shards
+
+
+def from_transformers(hf_model: torch.nn.Module) -> tuple[DecoderLM, ModelConfig]:
+    """A transformers causal LM of a supported architecture -> (engine model, config) holding
+    copies of its weights, in its dtype and on the CPU (ValueError naming what is unsupported).
+
+    For handing a trainer's transformers model to an engine; later `update_weights(hf_model)`
+    needs no conversion (the names are the same)."""
+    hf_config = getattr(hf_model, "config", None)
+    if not hasattr(hf_config, "to_dict"):
+        raise ValueError(
+            f"{type(hf_model).__name__} has no transformers config (.config.to_dict())"
+        )
+    hf = hf_config.to_dict()
+    hf["architectures"] = hf.get("architectures") or [type(hf_model).__name__]  # unsaved models
+    config = ModelConfig.from_hf(hf)
+    tensors = {n: t.detach().to("cpu") for n, t in hf_model.state_dict().items()}
+    floats = [t.dtype for t in tensors.values() if t.is_floating_point()]
+    with torch.device("meta"):
+        model = DecoderLM(config)
+    model.to_empty(device="cpu")
+    model.to(dtype=floats[0] if floats else torch.float32)
+    model.tie_weights()
+    load_state_dict(model, tensors, strict=True)
+    return model.eval(), config

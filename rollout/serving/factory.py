@@ -22,6 +22,7 @@ from rollout.engine.engine import DynamicInferenceEngine
 from rollout.models import (
     ModelConfig,
     build_model,
+    from_transformers,
     load_pretrained,
     load_state_dict,
     save_pretrained,
@@ -111,6 +112,12 @@ def model_source_kwargs(
 
 
 def _save_weights(model: Any, model_config: Any, path: Path) -> Path:
+    if (
+        model_config is None
+        and isinstance(model, nn.Module)
+        and not isinstance(getattr(model, "config", None), ModelConfig)
+    ):  # a transformers model (e.g. the trainer's): the engines load a converted copy
+        model, model_config = from_transformers(model)
     config = model_config if model_config is not None else getattr(model, "config", None)
     if config is None:
         raise ValueError("a state_dict model source needs model_config= (a ModelConfig)")
