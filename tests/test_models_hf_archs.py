@@ -41,10 +41,9 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
         "original_max_position_embeddings": 64}  # fmt: skip
 # case -> (HF config class, HF model class, config kwargs, shard bytes or None)
 CASES = {
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16), None),
+    "qwen3-yarn": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, rope_parameters=YARN), None),
     "qwen3-tied-sharded": ("Qwen3Config", "Qwen3ForCausalLM",
                            dict(tie_word_embeddings=True, attention_bias=True), 20_000),
-    "qwen3-yarn": ("Qwen3Config", "Qwen3ForCausalLM", dict(rope_parameters=YARN), None),
     "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(MOE, norm_topk_prob=True, mlp_only_layers=[1]), 30_000),
     "qwen3-moe-sparse-step-tied": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
@@ -118,7 +117,11 @@ def test_engine_matches_transformers_before_and_after_a_weight_update(tmp_path, 
         model,
         None,
         InferenceConfig(
-            block_size=8, max_tokens_per_step=16, max_requests=8, max_sequence_length=128
+            block_size=8,
+            num_blocks=64,
+            max_tokens_per_step=16,
+            max_requests=8,
+            max_sequence_length=128,
         ),
     )  # chunked prefill
     assert_engine_matches(llm, hf)
@@ -225,8 +228,10 @@ def test_mistral_sliding_window_shorter_than_served_sequences_is_refused(tmp_pat
     model, config = load_pretrained(tmp_path)
     assert config.sliding_window == 64
     with pytest.raises(ValueError, match="sliding_window=64"):
-        LLM(model, None, InferenceConfig(max_sequence_length=128))
-    LLM(model, None, InferenceConfig(max_sequence_length=64, max_tokens_per_step=64))  # fits
+        LLM(model, None, InferenceConfig(max_sequence_length=128, num_blocks=16))
+    LLM(
+        model, None, InferenceConfig(max_sequence_length=64, max_tokens_per_step=64, num_blocks=16)
+    )  # fits
 
 
 def test_config_json_round_trips_for_every_architecture(tmp_path):
@@ -241,7 +246,7 @@ def test_engine_processes_match_transformers_across_an_update_from_the_hf_model(
     """Coordinator mode started from the trainer's transformers model object (engines load a
     converted copy in their own processes); `update_weights` takes that object itself."""
     hf = make_hf("qwen3-moe")
-    cfg = InferenceConfig(block_size=8, max_requests=8, max_tokens_per_step=64,
+    cfg = InferenceConfig(block_size=8, num_blocks=64, max_requests=8, max_tokens_per_step=64,
                           max_sequence_length=128)  # fmt: skip
     llm = LLM(hf, None, cfg, use_coordinator=True)
     try:
@@ -255,8 +260,8 @@ def test_engine_processes_match_transformers_across_an_update_from_the_hf_model(
 
 
 def test_rollout_serve_matches_transformers(tmp_path):
-    hf = make_hf("qwen3")
-    save_hf("qwen3", hf, tmp_path)
+    hf = make_hf("qwen3-yarn")
+    save_hf("qwen3-yarn", hf, tmp_path)
     ByteTokenizer().save(tmp_path)  # token-id prompts below; the folder needs some tokenizer
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     serve = subprocess.Popen(
