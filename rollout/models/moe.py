@@ -9,8 +9,9 @@ on disk name experts one by one; rollout.models.names stacks and splits them.
 The routed forward never loops over tokens in Python: the (token, expert) pairs are sorted by
 expert, each active expert runs two matmuls over its contiguous token group
 (`grouped_expert_mlp`: the function a grouped-GEMM kernel replaces on GPU), and the weighted
-results are `index_add`ed back to their tokens. The router returns its top-k indices and takes
-optional `chosen` experts instead, so recording and replaying routing (R3) add no new paths.
+results are accumulated back onto their tokens (`index_put_`). The router returns its top-k
+indices and takes optional `chosen` experts instead, so recording and replaying routing (R3)
+add no new paths.
 `forward_static` is the fixed-shape variant CUDA graphs capture (no host sync: every expert
 runs on every row, unchosen ones weighted 0).
 """
