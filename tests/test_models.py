@@ -241,10 +241,18 @@ def run_paged(model, seqs, schedule, block_size, num_blocks, dtype=torch.float32
     return out
 
 
-@pytest.mark.parametrize(("arch", "kv_heads"), [("llama", 2), ("llama", 4), ("qwen2", 1)])
+MOE_TINY = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+EXTRA = {"qwen3_moe": MOE_TINY, "qwen2_moe": dict(MOE_TINY, shared_expert_intermediate_size=48,
+                                                  decoder_sparse_step=2)}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("arch", "kv_heads"),
+    [("llama", 2), ("llama", 4), ("qwen2", 1), ("qwen3", 2), ("qwen3_moe", 2), ("qwen2_moe", 1)],
+)
 def test_forward_paged_matches_forward(arch, kv_heads):
     config = ModelConfig.preset("tiny", vocab_size=128, architecture=arch,
-                                num_key_value_heads=kv_heads)  # fmt: skip
+                                num_key_value_heads=kv_heads, **EXTRA.get(arch, {}))  # fmt: skip
     model = build_model(config, seed=0).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -350,12 +358,13 @@ def test_dtype_on_load_and_training_grads(tmp_path):
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in f32.parameters())
 
 
-def test_forward_paged_zero_copy_and_shared_prefix_paths():
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_forward_paged_zero_copy_and_shared_prefix_paths(arch):
     """Contiguous tables (slices of the pool), scattered ones (gathered) and decode rows that
     share prompt blocks (cascade) in the same batches all match the dense forward."""
     from rollout.models.attention import AttentionPlan
 
-    config = ModelConfig.preset("tiny", vocab_size=64)
+    config = ModelConfig.preset("tiny", vocab_size=64, architecture=arch, **EXTRA.get(arch, {}))
     model = build_model(config, seed=2).eval()
     bs = 4
     gen = torch.Generator().manual_seed(7)
