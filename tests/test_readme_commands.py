@@ -305,7 +305,9 @@ def make_checkpoint(path: Path, architecture: str, bos: bool) -> Path:
     names = ({"bos_token": "<s>", "eos_token": "</s>"} if bos else
              {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})  # fmt: skip
     (path / "tokenizer_config.json").write_text(json.dumps(names))
-    config = ModelConfig.preset("tiny", vocab_size=tok.get_vocab_size(), architecture=architecture)
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    config = ModelConfig.preset("tiny", vocab_size=tok.get_vocab_size(), architecture=architecture,
+                                **(moe if architecture.endswith("_moe") else {}))  # fmt: skip
     save_pretrained(build_model(config, seed=0), config, path)
     return path
 
@@ -313,10 +315,12 @@ def make_checkpoint(path: Path, architecture: str, bos: bool) -> Path:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "architecture, bos",
-    [("qwen2", False), pytest.param("llama", True, marks=pytest.mark.slow)],
-)
+    [("qwen2", False), pytest.param("llama", True, marks=pytest.mark.slow),
+     pytest.param("qwen3_moe", False, marks=pytest.mark.slow)],
+)  # fmt: skip
 def test_hf_dir_checkpoint(tmp_path, architecture, bos):
-    """A saved Llama / Qwen2 folder through the recipe; Qwen2's tokenizer has no bos token."""
+    """A saved Llama / Qwen2 / Qwen3-MoE folder through the recipe; Qwen's tokenizers have no
+    bos token."""
     from recipes.config import task_of
     from rollout.tokenizers import load_tokenizer
 
