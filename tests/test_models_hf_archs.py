@@ -314,3 +314,20 @@ def test_recipe_config_hf_dir_builds_a_trainable_moe(tmp_path):
     model(ids).logsumexp(-1).sum().backward()
     layer = model.model.layers[0].mlp
     assert layer.gate.weight.grad.abs().sum() > 0 and layer.experts.down_proj.grad.abs().sum() > 0
+
+
+def test_per_expert_names_stack_and_split_and_a_missing_expert_is_named():
+    from rollout.models.names import split_experts, stack_experts
+
+    hf = make_hf("qwen3-moe")
+    ours, _ = from_transformers(hf)
+    stacked = dict(ours.state_dict())
+    per_expert = split_experts(stacked)  # the disk / transformers 4.x layout
+    assert "model.layers.0.mlp.experts.7.up_proj.weight" in per_expert
+    assert not any(k.endswith("experts.gate_up_proj") for k in per_expert)
+    back = stack_experts(per_expert, num_experts=8)
+    assert back.keys() == stacked.keys()
+    assert all(torch.equal(back[k], stacked[k]) for k in stacked)
+    del per_expert["model.layers.2.mlp.experts.3.down_proj.weight"]
+    with pytest.raises(ValueError, match=r"model.layers.2.mlp.experts.*3.down_proj"):
+        stack_experts(per_expert, num_experts=8)
