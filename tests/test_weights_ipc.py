@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import fcntl
 import itertools
 import os
 import signal
@@ -104,8 +103,9 @@ def _segments(pid: int) -> list[str]:
     return out
 
 
-def _shm_files() -> list[str]:
-    return [f for f in os.listdir("/dev/shm") if f.startswith(SHM_PREFIX)]
+def _shm_files(pid: int) -> list[str]:
+    """Files in /dev/shm named for `pid`'s weights (what the memfds replaced)."""
+    return [f for f in os.listdir("/dev/shm") if f.startswith(f"{SHM_PREFIX}{pid}-")]
 
 
 def _mapped_segments(pid: int) -> list[str]:
@@ -267,16 +267,15 @@ os.kill(os.getpid(), signal.SIGKILL)
 def test_a_killed_trainer_leaves_no_weights_in_shared_memory():
     """A SIGKILLed trainer runs no cleanup: its buckets are memfds, gone with the process (no
     file in /dev/shm at any time), and their handles no longer open."""
-    before = _shm_files()
     child = subprocess.Popen([sys.executable, "-c", KILLED_TRAINER], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)  # fmt: skip
     pid, payload = child.stdout.readline().split()
     buckets = msgpack.unpackb(bytes.fromhex(payload))["buckets"]
-    assert _segments(int(pid)) and _shm_files() == before  # staged: held by the trainer only
+    assert _segments(int(pid)) and _shm_files(int(pid)) == []  # held by the trainer only
     assert _open(buckets[0][3], 16).numel() == 16  # readable while it lives
     child.communicate("\n", timeout=60)
     assert child.returncode == -signal.SIGKILL
-    assert _shm_files() == before
+    assert _shm_files(int(pid)) == []
     with pytest.raises(FileNotFoundError):
         _open(buckets[0][3], 16)
 
