@@ -9,6 +9,11 @@ generations; (c) between two broadcast updates it points the engines at a proces
 own (rewrites the generation key) and sends its weights as the next version. In every case the
 update is applied with the trainer's own checksum (acked by every engine) or refused with a
 clear error, and the engines serve the previous version until then.
+
+In-process: an engine refuses an announcement whose MAC does not verify (a forged payload or
+generation, none, another key) and ignores forged aborts and committed versions; the trainer
+refuses an ack whose received checksum is not its own, naming the engine; without a secret the
+weight store cannot leave loopback.
 """
 
 from __future__ import annotations
@@ -19,14 +24,21 @@ import os
 import subprocess
 import sys
 
+import msgpack
 import pytest
 import torch
 from safetensors.torch import save_file
 from test_weights_ipc import GREEDY, PROMPTS, _direct, _manager, _perturb, _run, _versions
 
 from rollout.config import validate
+from rollout.serving.weight_updates import check_agreement
 from rollout.weights.broadcast import WeightSyncError
-from rollout.weights.state import state_dict_checksum
+from rollout.weights.engine_sync import EngineWeightSync
+from rollout.weights.ipc import IpcSender
+from rollout.weights.rendezvous import COMMITTED_KEY, abort_key
+from rollout.weights.state import copy_weights_, state_dict_checksum
+from rollout.weights.trainer_sync import TrainerWeightSync
+from rollout.weights.trust import weight_key
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -219,3 +231,73 @@ def test_an_intruder_group_between_updates_is_never_joined(ctx, monkeypatch):
 
 def _copy(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model)
+
+
+# ---- in-process: what an engine accepts ------------------------------------------------------
+
+
+class _Engine:
+    """The part of an engine weight sync uses."""
+
+    def __init__(self) -> None:
+        self.model = torch.nn.Linear(4, 2)
+        self.weight_version = 0
+
+    def update_weights(self, views: dict, version: int) -> None:
+        copy_weights_(self.model, views)
+        self.weight_version = version
+
+
+def test_engines_act_only_on_what_the_trainer_macs():
+    key = weight_key("s3")
+    trainer = TrainerWeightSync(1 << 20, 10.0, "ipc", key=key)
+    engine = _Engine()
+    sync = EngineWeightSync(engine, trainer.worker_info(0), key)
+    sender = IpcSender()
+    try:
+        trainer.store.set(COMMITTED_KEY, msgpack.packb([7, b"x" * 32]))  # forged: ignored
+        assert sync.committed_version() is None
+        trainer.commit(3)
+        assert sync.committed_version() == 3
+        trainer.prepare([(0, os.getpid())], "gloo")
+        gen = trainer.generation
+        trainer.store.set(abort_key(gen), msgpack.packb(["forged", b"y" * 32]))
+        assert not sync._aborted(gen)
+        trainer._mark_aborted("a member died")
+        assert sync._aborted(gen)
+
+        sd = {"weight": torch.randn(2, 4), "bias": torch.randn(2)}
+        evil = {k: torch.zeros_like(v) for k, v in sd.items()}
+        with sender.stage(sd, 1) as staged, sender.stage(evil, 1) as forged:
+            trainer.prepare([(0, os.getpid())], "ipc")
+            trainer.ipc_payload = staged.payload
+            a = trainer.announcement(1)
+            for bad, why in (({**a, "ipc": forged.payload}, "not MACed"),
+                             ({**a, "generation": "1-0000"}, "not MACed"),
+                             ({**a, "mac": None}, "not MACed"),
+                             (None, "no weight-sync announcement")):  # fmt: skip
+                ack = sync.receive(1, bad)
+                assert why in ack["error"] and ack["weight_version"] == 0
+            assert not engine.model.weight.eq(sd["weight"]).all()
+            other = EngineWeightSync(_Engine(), trainer.worker_info(0), weight_key("other"))
+            assert "not MACed" in other.receive(1, a)["error"]
+            ack = sync.receive(1, a)
+        assert ack["weight_version"] == 1 and ack["received"] == state_dict_checksum(sd)
+        assert torch.equal(engine.model.weight.detach(), sd["weight"])
+    finally:
+        sync.close()
+        sender.close()
+        trainer.close()
+
+
+def test_without_a_secret_the_weight_store_stays_on_loopback():
+    with pytest.raises(ValueError, match="beyond loopback.*auth token"):
+        TrainerWeightSync(1 << 20, 10.0, host="0.0.0.0", key=None)
+
+
+def test_an_engine_acking_other_weights_fails_the_update_and_is_named():
+    acks = {0: {"weight_version": 2, "checksum": 5, "received": 9},
+            1: {"weight_version": 2, "checksum": 5, "received": 7}}  # fmt: skip
+    with pytest.raises(WeightSyncError, match=r"engine ranks \[1\] .* not the trainer's"):
+        check_agreement(acks, 2, own=9)
+    check_agreement({0: acks[0]}, 2, own=9)
