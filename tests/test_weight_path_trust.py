@@ -291,7 +291,7 @@ def test_engines_act_only_on_what_the_trainer_macs():
 
 
 def test_without_a_secret_the_weight_store_stays_on_loopback():
-    with pytest.raises(ValueError, match="beyond loopback.*auth token"):
+    with pytest.raises(ValueError, match=r"beyond loopback.*auth token"):
         TrainerWeightSync(1 << 20, 10.0, host="0.0.0.0", key=None)
 
 
