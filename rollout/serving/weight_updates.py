@@ -2,9 +2,9 @@
 
 One update goes to every serving engine through `rollout.weights.trainer_sync` (a SET_WEIGHT_VERSION
 control tells each worker to receive it now), all-or-nothing per engine. Every engine's ack
-carries the checksum of what it received; an update counts as applied only where that equals
-the trainer's own checksum of the weights it sent (a mismatch is a WeightSyncError naming the
-engine). Around that transfer:
+carries the digest of what it received (manifest and chunk checksums); an update counts as
+applied only where that equals the trainer's own digest of what it sent (a mismatch is a
+WeightSyncError naming the engine). Around that transfer:
 
 - engines that die during it: the cluster watches the coordinator's membership heartbeats, a
   member that leaves aborts the transfer at once (survivors are not left blocked on a dead peer
@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rollout.weights.broadcast import WeightSyncError
-from rollout.weights.state import state_dict_checksum
 
 if TYPE_CHECKING:
     from rollout.serving.cluster import EngineCluster
@@ -62,8 +61,7 @@ class WeightUpdates:
         """See `EngineCluster.update_weights`."""
         c = self.cluster
         with self.lock:
-            own = state_dict_checksum(sd)
-            infos = self.push_to_survivors(sd, version, self.serving_engines(), on_bucket, own)
+            infos = self.push_to_survivors(sd, version, self.serving_engines(), on_bucket)
             if c.snapshot is not None:
                 c.snapshot.save(sd, version)
             c.sync.commit(version)
@@ -71,29 +69,29 @@ class WeightUpdates:
         return infos
 
     def push_to_survivors(
-        self,
-        sd: dict[str, torch.Tensor],
-        version: int,
-        members: list[Member],
-        on_bucket: Any,
-        own: int,
+        self, sd: dict[str, torch.Tensor], version: int, members: list[Member], on_bucket: Any
     ) -> dict[int, dict]:
         """`_push` to `members`; when engines die during a transfer (the group broke and they
         left the coordinator or their process is gone), again to the rest, up to
         MAX_SYNC_ATTEMPTS tries. All-or-nothing per engine: a survivor that applied the version
         before the group broke (its ack says so) is done, the others still serve the previous
-        one and take the retry. `own`: the trainer's checksum of `sd`, which every ack must
-        report. Raises WeightSyncError when no engine is left or tries run out."""
+        one and take the retry. Every ack must report the trainer's own digest of the transfer
+        (the same for every try of one update). Raises WeightSyncError when no engine is left
+        or tries run out."""
         done: dict[int, dict] = {}
+        own: int | None = None
         lost: list[int] = []
         for attempt in range(1, MAX_SYNC_ATTEMPTS + 1):
             if attempt > 1:
                 self.counters["update_retries"] += 1
             try:
-                infos = {**done, **self._push(sd, version, members, on_bucket, own)}
+                infos = self._push(sd, version, members, on_bucket)
+                own = self.cluster.sync.digest
+                infos = {**done, **infos}
                 check_agreement(infos, version, own)
                 return infos
             except WeightSyncError as e:
+                own = own if own is not None else self.cluster.sync.digest
                 alive = set(self.serving_engines())
                 dead = [m for m in members if m not in alive]
                 if not e.transport_broken or not dead:
@@ -129,12 +127,7 @@ class WeightUpdates:
         return sorted((r, p.pid) for r, p in procs if p.is_alive())
 
     def _push(
-        self,
-        sd: dict[str, torch.Tensor],
-        version: int,
-        members: list[Member],
-        on_bucket: Any,
-        own: int,
+        self, sd: dict[str, torch.Tensor], version: int, members: list[Member], on_bucket: Any
     ) -> dict[int, dict]:
         c = self.cluster
 
@@ -147,7 +140,7 @@ class WeightUpdates:
             infos, transport, seconds = c.sync.transfer(sd, version, members, on_bucket, announce)
         ranks = {r for r, _ in members}
         applied = {r: i for r, i in infos.items() if int(r) in ranks and "lost" not in i}
-        check_agreement(applied, version, own)
+        check_agreement(applied, version, c.sync.digest)
         for i in applied.values():
             i["sender_seconds"], i["transport"] = seconds, transport
         return applied
@@ -244,7 +237,7 @@ class WeightUpdates:
             if snap is None or snap[0] != stats["weight_version"]:
                 return {}
             version, sd = snap
-            infos = self.push_to_survivors(sd, version, held, None, state_dict_checksum(sd))
+            infos = self.push_to_survivors(sd, version, held, None)
         self.last_catch_up = infos
         self.counters["engines_caught_up"] += len(infos)
         for rank, info in infos.items():
@@ -259,16 +252,16 @@ class WeightUpdates:
             self._thread.join(timeout_s)
 
 
-def check_agreement(infos: dict[int, dict], version: int, own: int) -> None:
-    """Every ack names `version`, received exactly the trainer's weights (`own`: its checksum)
-    and holds one checksum, else WeightSyncError naming the engines."""
+def check_agreement(infos: dict[int, dict], version: int, own: int | None) -> None:
+    """Every ack names `version`, received exactly what the trainer sent (`own`: its digest of
+    the transfer) and holds one checksum, else WeightSyncError naming the engines."""
     bad = {r: i for r, i in infos.items() if i.get("weight_version") != version}
     if bad:
         raise WeightSyncError(f"engines did not apply version {version}: {bad}")
     forged = sorted(int(r) for r, i in infos.items() if i.get("received") != own)
     if forged:
         raise WeightSyncError(f"engine ranks {forged} report weights for version {version} that "
-                              f"are not the trainer's (checksum {own}): "
+                              f"are not the trainer's (digest {own}): "
                               f"{ {r: infos[r].get('received') for r in forged} }")  # fmt: skip
     sums = {i.get("checksum") for i in infos.values()}
     if len(sums) > 1:

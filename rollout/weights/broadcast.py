@@ -40,6 +40,7 @@ from rollout.weights.layout import (
     bucket_checksum,
     plan_chunks,
     plan_layout,
+    transfer_digest,
 )
 from rollout.weights.state import _target_tensors, as_state_dict, check_compatible, copy_weights_
 from rollout.weights.trust import digest, sign, verify
@@ -259,6 +260,7 @@ class WeightSender:
                 f"version {version} aborted by the sender ({type(a.__cause__).__name__}: "
                 f"{a.__cause__}); nothing was applied anywhere"
             ) from a.__cause__
+        self.digest = transfer_digest(manifest, sums)
         trailer = torch.tensor(sums, dtype=torch.int64, device=c.device)
         c.bcast(trailer)
         c.bcast_bytes(sign(self.key, TRAILER, trailer_fields(self.context, version, manifest,
@@ -383,6 +385,7 @@ class WeightReceiver:
     ):
         self.c = _Collectives(group, src, abort)
         self.key, self.context = key, context
+        self.digest: int | None = None  # transfer_digest of what the last apply received
         if self.c.rank == src:
             raise ValueError(f"WeightReceiver cannot run on the sender rank {src}")
         self.target = target
@@ -435,6 +438,7 @@ class WeightReceiver:
                 reason = ("checksum mismatch" if not ok else _CODES[4] if not authentic
                           else ", ".join(_failed(votes, c.src)))  # fmt: skip
                 raise WeightSyncError(f"version {version} discarded: {reason}")
+            self.digest = transfer_digest(raw, sums)
             applied = self._apply(staging, slots, version)
             votes = c.vote(_STATUS_OK if applied else 3)
             if not applied:

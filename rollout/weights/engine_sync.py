@@ -59,7 +59,8 @@ class EngineWeightSync:
         self.group: Any = None
         self.receiver: Any = None
         self.abort: Abort | None = None
-        self.received: tuple[int, int] | None = None  # (version, checksum) of the last applied
+        self.received: tuple[int, int] | None = None  # (version, digest) of the last applied
+        self._active: Any = None  # the receiver of the transfer in progress
 
     def _store(self) -> Any:
         if self.store is None:
@@ -145,11 +146,12 @@ class EngineWeightSync:
                                        context=gen)  # fmt: skip
 
     def _apply(self, views: dict, version: int) -> None:
-        """Apply verified weights, keeping the checksum of exactly what was received (the
-        trainer compares it with its own)."""
-        checksum = state_dict_checksum(views)
+        """Apply verified weights, keeping the digest of exactly what was received (its
+        manifest and checksums: rollout.weights.layout.transfer_digest), which the trainer
+        compares with its own."""
+        digest = self._active.digest
         self.engine.update_weights(views, version)
-        self.received = (version, checksum)
+        self.received = (version, digest)
 
     def watch_abort(self) -> bool:
         """Called while a broadcast is being received: True (and the transfer ends) once the
@@ -175,6 +177,7 @@ class EngineWeightSync:
                                           transport_broken=True)  # fmt: skip
                 self._group(gen, backend, [int(r) for r in a["members"]])
                 self.receiver.version = int(self.engine.weight_version)
+                self._active = self.receiver
                 result = self.receiver.receive()
             if result.version != version:
                 raise WeightSyncError(f"received version {result.version}, announced {version}")
@@ -194,8 +197,8 @@ class EngineWeightSync:
         return {**info, **self._checksums(version)}
 
     def _checksums(self, version: int) -> dict:
-        """`checksum`: of the model now (engines must agree); `received`: of what this engine
-        received for `version` (the trainer's own must match)."""
+        """`checksum`: of the model now (engines must agree); `received`: the digest of what
+        this engine received for `version` (the trainer's own must match)."""
         out = {"checksum": state_dict_checksum(self.engine.model)}
         if self.received is not None and self.received[0] == version:
             out["received"] = self.received[1]
@@ -208,6 +211,7 @@ class EngineWeightSync:
         self.close_group()  # a group left from a broadcast update serves no purpose now
         receiver = IpcReceiver(self.engine.model, apply_fn=self._apply,
                                version=int(self.engine.weight_version), allow_cast=True)  # fmt: skip
+        self._active = receiver
         return receiver.receive(payload, expected_version=version)
 
     def close_group(self) -> None:

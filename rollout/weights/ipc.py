@@ -57,6 +57,7 @@ from rollout.weights.layout import (
     _unpack_manifest,
     bucket_checksum,
     plan_layout,
+    transfer_digest,
 )
 from rollout.weights.state import (
     _target_tensors,
@@ -187,6 +188,7 @@ class SharedWeights:
     num_tensors: int
     buffers: list[_ShmBuffer | _CudaBuffer]
     pool: list[_ShmBuffer] | None = None  # the sender's, when it reuses shared-memory files
+    digest: int | None = None  # transfer_digest of the manifest and bucket checksums
 
     def release(self, reuse: bool = True) -> None:
         """Let go of every bucket once every engine answered. `reuse=False` (an engine may
@@ -263,6 +265,7 @@ class IpcSender:
         manifest = _pack_manifest(version, slots, total, self.bucket_bytes, self.algo,
                                   self.bucket_bytes)  # fmt: skip
         staged.payload = msgpack.packb({"magic": MAGIC, "manifest": manifest, "buckets": rows})
+        staged.digest = transfer_digest(manifest, [r[2] for r in rows])
         return staged
 
     def _take_pool(self) -> list[_ShmBuffer]:
@@ -312,12 +315,13 @@ class IpcReceiver:
         self.apply_fn = apply_fn
         self.version = version
         self.allow_cast = allow_cast
+        self.digest: int | None = None  # transfer_digest of what the last apply received
 
     @torch.no_grad()
     def receive(self, payload: bytes, expected_version: int | None = None) -> SyncResult:
         """Verify everything, then apply; raises WeightSyncError with nothing applied."""
         t0 = time.perf_counter()
-        version, slots, total, algo, buckets = _read_payload(payload)
+        manifest, version, slots, total, algo, buckets = _read_payload(payload)
         if expected_version is not None and version != expected_version:
             raise WeightSyncError(f"staged version {version}, announced {expected_version}")
         if version <= self.version:
@@ -339,6 +343,7 @@ class IpcReceiver:
             raise WeightSyncError(f"version {version} refused: checksum mismatch in bucket(s) "
                                   f"{bad} of {len(buckets)}; nothing applied")  # fmt: skip
         views = _tensor_views(slots, buckets, mapped)
+        self.digest = transfer_digest(manifest, [b[2] for b in buckets])
         try:
             if self.apply_fn is not None:
                 self.apply_fn(views, version)
@@ -359,7 +364,7 @@ def _wait_for_copies(mapped: list[torch.Tensor]) -> None:
         torch.cuda.synchronize(device)
 
 
-def _read_payload(payload: bytes) -> tuple[int, list[TensorSlot], int, str, list[list]]:
+def _read_payload(payload: bytes) -> tuple[bytes, int, list[TensorSlot], int, str, list[list]]:
     try:
         m = msgpack.unpackb(payload)
         if m["magic"] != MAGIC:
@@ -371,7 +376,7 @@ def _read_payload(payload: bytes) -> tuple[int, list[TensorSlot], int, str, list
             raise ValueError("buckets do not tile the stream")
     except (ValueError, KeyError, TypeError, IndexError, msgpack.UnpackException) as e:
         raise WeightSyncError(f"unreadable ipc weight payload ({type(e).__name__}: {e})") from e
-    return version, slots, total, algo, buckets
+    return m["manifest"], version, slots, total, algo, buckets
 
 
 def _tensor_views(slots, buckets, mapped) -> dict[str, torch.Tensor]:

@@ -87,6 +87,7 @@ class TrainerWeightSync:
         self._lock = threading.Lock()
         self.ipc: IpcSender | None = None
         self.ipc_payload: bytes | None = None  # the staged buckets of the update in flight
+        self.digest: int | None = None  # the last transfer's (layout.transfer_digest)
 
     def transport_for(self, sd: Mapping[str, torch.Tensor]) -> str:
         """ "ipc" or "broadcast" for an update of `sd` (engines are this host's processes)."""
@@ -105,7 +106,9 @@ class TrainerWeightSync:
         announce: Announce,
     ) -> tuple[dict[int, dict], str, float]:
         """Hand `version` to `members`; returns every engine's ack, the transport and the
-        trainer's seconds. Raises WeightSyncError when the trainer's side failed."""
+        trainer's seconds (and `digest`: what each ack's `received` must be). Raises
+        WeightSyncError when the trainer's side failed."""
+        self.digest = None
         if self.transport_for(sd) == IPC:
             infos, seconds = self._transfer_ipc(sd, version, members, on_bucket, announce)
             return infos, IPC, seconds
@@ -153,6 +156,7 @@ class TrainerWeightSync:
                 raise WeightSyncError(f"weight update to version {version} failed before any "
                                       f"engine saw it ({e}); every engine keeps its weights") from e  # fmt: skip
         self.ipc_payload = staged.payload if staged is not None else None
+        self.digest = staged.digest if staged is not None else None
         answered = False
         try:
             infos = _result(announce(), self.timeout_s)
@@ -202,13 +206,17 @@ class TrainerWeightSync:
         abort = self.sender.c.abort if self.sender is not None else Abort()
         with self._lock:
             self._abort = abort
+        sender = self.sender
         try:
-            if self.sender is None:
+            if sender is None:
                 self.group = self._form_group(abort)
-                self.sender = WeightSender(self.group, bucket_bytes=self.bucket_bytes, abort=abort,
-                                           key=self.key, context=self.generation)  # fmt: skip
-            return self.sender.send(sd, version, on_bucket)
+                sender = self.sender = WeightSender(self.group, bucket_bytes=self.bucket_bytes,
+                                                    abort=abort, key=self.key,
+                                                    context=self.generation)  # fmt: skip
+            sender.digest = None
+            return sender.send(sd, version, on_bucket)
         finally:
+            self.digest = sender.digest if sender is not None else None
             with self._lock:
                 self._abort = None
 
