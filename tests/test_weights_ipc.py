@@ -1,9 +1,10 @@
 """Colocated weight sync (rollout.weights.ipc): engines map the trainer's packed buckets. The CPU
-twin (shared-memory files) runs with real engine processes behind a RolloutManager at dp=2; the
+twin (sealed memfds) runs with real engine processes behind a RolloutManager at dp=2; the
 CUDA test (`-m cuda`) does the same through CUDA IPC handles on one GPU."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import os
@@ -26,13 +27,12 @@ from rollout.sampling import SamplingParams
 from rollout.weights import trainer_sync
 from rollout.weights.broadcast import WeightSyncError
 from rollout.weights.ipc import (
-    SHM_DIR,
     SHM_PREFIX,
     IpcReceiver,
     IpcSender,
+    _open,
     benchmark_ipc_sync,
     plan_buckets,
-    remove_orphaned_segments,
 )
 from rollout.weights.layout import plan_layout
 from rollout.weights.state import state_dict_checksum
@@ -93,7 +93,19 @@ def _versions(m: RolloutManager) -> set[int]:
 
 
 def _segments(pid: int) -> list[str]:
-    return [f for f in os.listdir(SHM_DIR) if f.startswith(f"{SHM_PREFIX}{pid}-")]
+    """The weight-sync memfds `pid` holds open (its staged or kept buckets)."""
+    out = []
+    with contextlib.suppress(FileNotFoundError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(f"/memfd:{SHM_PREFIX}"):
+                    out.append(fd)
+    return out
+
+
+def _shm_files(pid: int) -> list[str]:
+    """Files in /dev/shm named for `pid`'s weights (what the memfds replaced)."""
+    return [f for f in os.listdir("/dev/shm") if f.startswith(f"{SHM_PREFIX}{pid}-")]
 
 
 def _mapped_segments(pid: int) -> list[str]:
@@ -130,9 +142,18 @@ def test_receiver_refuses_bad_payloads_and_keeps_its_weights():
     with pytest.raises(WeightSyncError, match="unreadable"):
         receiver.receive(b"\x93garbage")
     evil = msgpack.unpackb(sender.stage(src, 4).payload)
-    evil["buckets"][0][3] = ["shm", "/etc/passwd"]
-    with pytest.raises(WeightSyncError, match="not a weight-sync segment"):
-        receiver.receive(msgpack.packb(evil))
+    with open("/etc/passwd") as other:
+        evil["buckets"][0][3] = ["memfd", os.getpid(), other.fileno()]
+        with pytest.raises(WeightSyncError, match="not a weight-sync memfd"):
+            receiver.receive(msgpack.packb(evil))
+    unsealed = os.memfd_create(f"{SHM_PREFIX}{os.getpid()}")  # named like ours, writable
+    try:
+        os.ftruncate(unsealed, 1 << 16)
+        evil["buckets"][0][3] = ["memfd", os.getpid(), unsealed]
+        with pytest.raises(WeightSyncError, match="not sealed against writes"):
+            receiver.receive(msgpack.packb(evil))
+    finally:
+        os.close(unsealed)
     assert not dst["w"].any() and receiver.version == 3
     with sender.stage(src, 4) as staged:
         assert receiver.receive(staged.payload, expected_version=4).num_tensors == 2
@@ -233,26 +254,30 @@ def test_twenty_updates_leave_no_segment_or_mapping_behind(ctx):
 
 
 KILLED_TRAINER = """
-import os, signal, torch
+import os, signal, sys, torch
 from rollout.weights.ipc import IpcSender
 sender = IpcSender()
-staged = sender.stage({"w": torch.ones(1024)}, version=1)  # held: SIGKILL comes before release
-print(os.getpid(), flush=True)
+staged = sender.stage({"w": torch.ones(1 << 20)}, version=1)  # held: SIGKILL before release
+print(os.getpid(), staged.payload.hex(), flush=True)
+sys.stdin.readline()
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-def test_segments_of_a_killed_trainer_are_removed_by_the_next_sender():
-    """A SIGKILLed trainer runs no cleanup; the next sender on the machine removes its files
-    (they name a dead pid), and leaves live processes' files alone."""
-    out = subprocess.run([sys.executable, "-c", KILLED_TRAINER], capture_output=True, text=True)
-    assert out.returncode == -signal.SIGKILL, out.stderr
-    dead = int(out.stdout.split()[0])
-    assert _segments(dead)  # left behind
-    ours = set(_segments(os.getpid()))  # other tests' clusters keep buckets for reuse
-    with IpcSender(reuse_cpu_buffers=False).stage({"w": torch.ones(8)}, version=1):
-        assert _segments(dead) == [] and set(_segments(os.getpid())) > ours
-    assert remove_orphaned_segments() == [] and set(_segments(os.getpid())) == ours
+def test_a_killed_trainer_leaves_no_weights_in_shared_memory():
+    """A SIGKILLed trainer runs no cleanup: its buckets are memfds, gone with the process (no
+    file in /dev/shm at any time), and their handles no longer open."""
+    child = subprocess.Popen([sys.executable, "-c", KILLED_TRAINER], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    pid, payload = child.stdout.readline().split()
+    buckets = msgpack.unpackb(bytes.fromhex(payload))["buckets"]
+    assert _segments(int(pid)) and _shm_files(int(pid)) == []  # held by the trainer only
+    assert _open(buckets[0][3], 16).numel() == 16  # readable while it lives
+    child.communicate("\n", timeout=60)
+    assert child.returncode == -signal.SIGKILL
+    assert _shm_files(int(pid)) == []
+    with pytest.raises(FileNotFoundError):
+        _open(buckets[0][3], 16)
 
 
 def test_engine_killed_mid_sync_does_not_block_and_restarts_on_the_new_weights(ctx, monkeypatch):

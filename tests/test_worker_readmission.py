@@ -60,7 +60,7 @@ class _SyncStub:
     def committed_version(self) -> None:
         return None
 
-    def receive(self, version: int) -> dict:  # an update this engine declines
+    def receive(self, version: int, announcement: dict | None) -> dict:  # one it declines
         return {"weight_version": 0, "error": "declined"}
 
     def close(self) -> None:

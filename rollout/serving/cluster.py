@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from rollout.engine.config import InferenceConfig
+from rollout.serving.auth import resolve_token
 from rollout.serving.client import InferenceClient
 from rollout.serving.coordinator import DataParallelInferenceCoordinator
 from rollout.serving.event_loop import EventLoopManager
@@ -42,6 +43,7 @@ from rollout.serving.worker import EngineWorker
 from rollout.weights.snapshot import WeightSnapshot
 from rollout.weights.state import as_state_dict
 from rollout.weights.trainer_sync import TRANSPORTS, TrainerWeightSync
+from rollout.weights.trust import weight_key
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +182,11 @@ class EngineCluster:
 
     def _trainer_sync(self) -> TrainerWeightSync:
         device = torch.device(self.factory_kwargs.get("device") or "cpu")
+        # the secret the engines hold: the spawned coordinator's, or what the client presents
+        token = self.auth_token if self.attached is None else resolve_token(self.auth_token)
+        key = weight_key(token)
         return TrainerWeightSync(self.bucket_bytes, self.sync_timeout_s, self.weight_sync_transport,
-                                 device, host=self.weight_sync_host)  # fmt: skip
+                                 device, host=self.weight_sync_host, key=key)  # fmt: skip
 
     def start_engines(self) -> list[mp.Process]:
         if self.weight_sync:

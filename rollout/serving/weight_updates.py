@@ -1,7 +1,10 @@
 """`WeightUpdates`: the trainer's weights to a cluster's engines, wherever they run.
 
 One update goes to every serving engine through `rollout.weights.trainer_sync` (a SET_WEIGHT_VERSION
-control tells each worker to receive it now), all-or-nothing per engine. Around that transfer:
+control tells each worker to receive it now), all-or-nothing per engine. Every engine's ack
+carries the digest of what it received (manifest and chunk checksums); an update counts as
+applied only where that equals the trainer's own digest of what it sent (a mismatch is a
+WeightSyncError naming the engine). Around that transfer:
 
 - engines that die during it: the cluster watches the coordinator's membership heartbeats, a
   member that leaves aborts the transfer at once (survivors are not left blocked on a dead peer
@@ -72,17 +75,23 @@ class WeightUpdates:
         left the coordinator or their process is gone), again to the rest, up to
         MAX_SYNC_ATTEMPTS tries. All-or-nothing per engine: a survivor that applied the version
         before the group broke (its ack says so) is done, the others still serve the previous
-        one and take the retry. Raises WeightSyncError when no engine is left or tries run out."""
+        one and take the retry. Every ack must report the trainer's own digest of the transfer
+        (the same for every try of one update). Raises WeightSyncError when no engine is left
+        or tries run out."""
         done: dict[int, dict] = {}
+        own: int | None = None
         lost: list[int] = []
         for attempt in range(1, MAX_SYNC_ATTEMPTS + 1):
             if attempt > 1:
                 self.counters["update_retries"] += 1
             try:
-                infos = {**done, **self._push(sd, version, members, on_bucket)}
-                check_agreement(infos, version)
+                infos = self._push(sd, version, members, on_bucket)
+                own = self.cluster.sync.digest
+                infos = {**done, **infos}
+                check_agreement(infos, version, own)
                 return infos
             except WeightSyncError as e:
+                own = own if own is not None else self.cluster.sync.digest
                 alive = set(self.serving_engines())
                 dead = [m for m in members if m not in alive]
                 if not e.transport_broken or not dead:
@@ -97,7 +106,7 @@ class WeightUpdates:
             if not members:
                 break
         if done and not members:
-            check_agreement(done, version)
+            check_agreement(done, version, own)
             return done
         why = ("every engine it was sent to died during the transfer" if not members else
                f"gave up after {MAX_SYNC_ATTEMPTS} attempts, engines died in each")  # fmt: skip
@@ -123,14 +132,15 @@ class WeightUpdates:
         c = self.cluster
 
         def announce() -> concurrent.futures.Future:
-            rendezvous = c.sync.rendezvous()
-            return c.loop.submit(_awaited(lambda: c.client.set_weight_version(version, rendezvous)))
+            announcement = c.sync.announcement(version)
+            return c.loop.submit(_awaited(lambda: c.client.set_weight_version(version,
+                                                                              announcement)))  # fmt: skip
 
         with self._abort_on_loss(members):
             infos, transport, seconds = c.sync.transfer(sd, version, members, on_bucket, announce)
         ranks = {r for r, _ in members}
         applied = {r: i for r, i in infos.items() if int(r) in ranks and "lost" not in i}
-        check_agreement(applied, version)
+        check_agreement(applied, version, c.sync.digest)
         for i in applied.values():
             i["sender_seconds"], i["transport"] = seconds, transport
         return applied
@@ -242,11 +252,17 @@ class WeightUpdates:
             self._thread.join(timeout_s)
 
 
-def check_agreement(infos: dict[int, dict], version: int) -> None:
-    """Every ack names `version` and one checksum, else WeightSyncError."""
+def check_agreement(infos: dict[int, dict], version: int, own: int | None) -> None:
+    """Every ack names `version`, received exactly what the trainer sent (`own`: its digest of
+    the transfer) and holds one checksum, else WeightSyncError naming the engines."""
     bad = {r: i for r, i in infos.items() if i.get("weight_version") != version}
     if bad:
         raise WeightSyncError(f"engines did not apply version {version}: {bad}")
+    forged = sorted(int(r) for r, i in infos.items() if i.get("received") != own)
+    if forged:
+        raise WeightSyncError(f"engine ranks {forged} report weights for version {version} that "
+                              f"are not the trainer's (digest {own}): "
+                              f"{ {r: infos[r].get('received') for r in forged} }")  # fmt: skip
     sums = {i.get("checksum") for i in infos.values()}
     if len(sums) > 1:
         raise WeightSyncError(f"engines disagree on the weights of version {version}: {infos}")

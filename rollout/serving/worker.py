@@ -62,6 +62,7 @@ from rollout.serving.replies import ROW_OVERHEAD, failed_record, frame_bounds, r
 from rollout.serving.resume import resume_record
 from rollout.tokenizers import tokenize_with
 from rollout.weights.engine_sync import EngineWeightSync
+from rollout.weights.trust import weight_key
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,8 @@ class EngineWorker:
         self.sock.connect(address)
         self._last_recv = time.monotonic()
         self._next_hb = 0.0
-        self.sync = EngineWeightSync(engine, weight_sync) if weight_sync else None
+        self.sync = (EngineWeightSync(engine, weight_sync, weight_key(auth_token))
+                     if weight_sync else None)  # fmt: skip
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -321,7 +323,7 @@ class EngineWorker:
                 self.engine.resume()
                 self.suspended = None
         elif header is Headers.SET_WEIGHT_VERSION and self._join_sync(fields[2]):
-            info = self._receive_weights(fields[1])
+            info = self._receive_weights(fields[1], fields[2])
             self.weight_version = self.engine.weight_version
         elif header is Headers.SET_WEIGHT_VERSION:
             self.weight_version = fields[1]
@@ -333,7 +335,8 @@ class EngineWorker:
 
     def _join_sync(self, rendezvous: dict | None) -> bool:
         """True when this engine takes part in weight sync: started with it, or joining now
-        from the rendezvous the trainer published (an engine started on another host)."""
+        from the rendezvous the trainer published (an engine started on another host). A later
+        trainer's rendezvous is followed by `sync.receive`, once its MAC verified."""
         if self.sync is None and rendezvous is not None:
             host, port = rendezvous.get("host"), rendezvous.get("port")
             if not isinstance(host, str) or type(port) is not int:
@@ -341,10 +344,10 @@ class EngineWorker:
                 return False
             timeout = rendezvous.get("timeout_s", 300.0)
             info = {"host": host, "port": port, "rank": self.rank, "timeout_s": timeout}
-            self.sync = EngineWeightSync(self.engine, info)
+            self.sync = EngineWeightSync(self.engine, info, weight_key(self.auth_token))
         return self.sync is not None
 
-    def _receive_weights(self, version: int) -> dict:
+    def _receive_weights(self, version: int, announcement: dict | None) -> dict:
         """Take part in the trainer's broadcast of `version` (blocking this loop: no step runs
         until the weights are applied or refused); heartbeats keep flowing meanwhile, and a
         transfer the trainer aborted (a member died) ends here at once."""
@@ -354,7 +357,7 @@ class EngineWorker:
 
         def run() -> None:
             try:
-                out.update(self.sync.receive(version))
+                out.update(self.sync.receive(version, announcement))
             finally:
                 done.set()
 

@@ -9,6 +9,8 @@ Import from the modules:
 - `ipc`: colocated sync, `IpcSender` (trainer: packs shared buckets, hands out handles) /
   `IpcReceiver` (engines: map, verify every bucket, then apply); `benchmark_ipc_sync`.
 - `rendezvous`: the loopback-bound TCPStore both sides meet in, and the keys they use.
+- `trust`: the MACs (keyed by the coordinator's secret) that make engines apply only what the
+  trainer published, whatever else reaches the store or shared memory.
 - `trainer_sync` / `engine_sync`: the two sides of an update to engine processes
   (`TrainerWeightSync`, `EngineWeightSync`).
 - `snapshot`: the last pushed weights, which a restarted engine loads.

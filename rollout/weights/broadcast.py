@@ -9,7 +9,8 @@ broadcast is a two-phase commit:
    bucket size, checksum algorithm); every receiver checks it against its model and votes;
 2. the parameters go out as fixed-size byte buckets into a staging buffer (double-buffered on
    the sender, so packing and checksumming overlap the wire);
-3. a trailer carries one checksum per bucket; receivers verify and vote again;
+3. a trailer carries one checksum per bucket and a MAC over the version, the manifest and those
+   checksums (`key`, `context`: rollout.weights.trust); receivers verify both and vote again;
 4. only if *every* receiver verified does anyone apply (staging -> model), then all ack.
 
 A failure anywhere (bad manifest, checksum mismatch, sender dying mid-transfer) leaves every
@@ -39,8 +40,10 @@ from rollout.weights.layout import (
     bucket_checksum,
     plan_chunks,
     plan_layout,
+    transfer_digest,
 )
 from rollout.weights.state import _target_tensors, as_state_dict, check_compatible, copy_weights_
+from rollout.weights.trust import digest, sign, verify
 
 MAGIC = 0x52574753  # "RWGS"
 DEFAULT_BUCKET_BYTES = 64 << 20
@@ -157,9 +160,10 @@ class _Collectives:
         if magic != MAGIC:
             raise WeightSyncError(f"bad weight-sync magic {magic:#x}", transport_broken=True)
         buf = torch.empty(length, dtype=torch.uint8, device=self.device)
-        if raw is not None:
+        if raw:
             buf.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-        self.bcast(buf)
+        if length:
+            self.bcast(buf)
         return bytes(buf.cpu().numpy())
 
     def vote(self, code: int) -> list[int]:
@@ -170,7 +174,15 @@ class _Collectives:
         return [int(x.item()) for x in out]
 
 
-_CODES = {1: "manifest rejected", 2: "checksum mismatch", 3: "apply failed"}
+_CODES = {1: "manifest rejected", 2: "checksum mismatch", 3: "apply failed",
+          4: "not authenticated (its MAC does not match the trainer's key)"}  # fmt: skip
+TRAILER = "trailer"  # the MAC's purpose (rollout.weights.trust.sign)
+
+
+def trailer_fields(context: str, version: int, manifest: bytes, sums: list[int]) -> list:
+    """What the trailer's MAC covers: the transfer's context (its generation), the version,
+    the manifest's digest and every chunk's checksum."""
+    return [context, version, digest(manifest), sums]
 
 
 def _failed(votes: list[int], src: int) -> list[str]:
@@ -193,6 +205,8 @@ class WeightSender:
         checksum: str = "auto",
         direct_bytes: int = 1 << 20,
         abort: Abort | None = None,
+        key: bytes | None = None,
+        context: str = "",
     ):
         if bucket_bytes <= 0 or bucket_bytes % ALIGN:
             raise ValueError(
@@ -209,6 +223,7 @@ class WeightSender:
         bucket_checksum(torch.empty(0, dtype=torch.uint8), self.algo)  # validates the name
         self.version: int | None = None
         self._buffers: list[torch.Tensor] = []
+        self.key, self.context = key, context
 
     @torch.no_grad()
     def send(
@@ -228,9 +243,9 @@ class WeightSender:
         tensors = as_state_dict(source)
         slots, total = plan_layout(tensors)
         c = self.c
-        c.bcast_bytes(
-            _pack_manifest(version, slots, total, self.bucket_bytes, self.algo, self.direct_bytes)
-        )
+        manifest = _pack_manifest(version, slots, total, self.bucket_bytes, self.algo,
+                                  self.direct_bytes)  # fmt: skip
+        c.bcast_bytes(manifest)
         bad = _failed(c.vote(_STATUS_OK), c.src)
         if bad:
             raise WeightSyncError(f"version {version} refused: {', '.join(bad)}")
@@ -245,8 +260,11 @@ class WeightSender:
                 f"version {version} aborted by the sender ({type(a.__cause__).__name__}: "
                 f"{a.__cause__}); nothing was applied anywhere"
             ) from a.__cause__
+        self.digest = transfer_digest(manifest, sums)
         trailer = torch.tensor(sums, dtype=torch.int64, device=c.device)
         c.bcast(trailer)
+        c.bcast_bytes(sign(self.key, TRAILER, trailer_fields(self.context, version, manifest,
+                                                             sums)))  # fmt: skip
         bad = _failed(c.vote(_STATUS_OK), c.src)
         if bad:
             raise WeightSyncError(f"version {version} not applied anywhere: {', '.join(bad)}")
@@ -305,6 +323,7 @@ class WeightSender:
                 c.bcast(zeros[: e - s])
             trailer = torch.full((len(chunks),), -1, dtype=torch.int64, device=c.device)
             c.bcast(trailer)
+            c.bcast_bytes(b"")
             c.vote(2)
         except RuntimeError as e:
             raise WeightSyncError(f"aborting a transfer failed: {e}", transport_broken=True) from e
@@ -361,8 +380,12 @@ class WeightReceiver:
         keep_staging: bool = True,
         zero_copy: bool = True,
         abort: Abort | None = None,
+        key: bytes | None = None,
+        context: str = "",
     ):
         self.c = _Collectives(group, src, abort)
+        self.key, self.context = key, context
+        self.digest: int | None = None  # transfer_digest of what the last apply received
         if self.c.rank == src:
             raise ValueError(f"WeightReceiver cannot run on the sender rank {src}")
         self.target = target
@@ -405,11 +428,17 @@ class WeightReceiver:
             sums = self._recv_chunks(staging, chunks, algo)
             trailer = torch.empty(len(chunks), dtype=torch.int64, device=c.device)
             c.bcast(trailer)
-            ok = sums == [int(x) for x in trailer.cpu()]
-            votes = c.vote(_STATUS_OK if ok else 2)
+            expected = [int(x) for x in trailer.cpu()]
+            tag = c.bcast_bytes(None)
+            ok = sums == expected
+            authentic = verify(self.key, TRAILER, trailer_fields(self.context, version, raw,
+                                                                 expected), tag)  # fmt: skip
+            votes = c.vote(_STATUS_OK if ok and authentic else 4 if ok else 2)
             if _failed(votes, c.src):
-                reason = "checksum mismatch" if not ok else ", ".join(_failed(votes, c.src))
+                reason = ("checksum mismatch" if not ok else _CODES[4] if not authentic
+                          else ", ".join(_failed(votes, c.src)))  # fmt: skip
                 raise WeightSyncError(f"version {version} discarded: {reason}")
+            self.digest = transfer_digest(raw, sums)
             applied = self._apply(staging, slots, version)
             votes = c.vote(_STATUS_OK if applied else 3)
             if not applied:

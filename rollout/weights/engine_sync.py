@@ -1,7 +1,7 @@
-"""The engine's side of weight sync: find the update the trainer announced in the rendezvous
-store, receive it (a broadcast group or the IPC buckets), verify, apply. The trainer's side is
+"""The engine's side of weight sync: check the update the trainer announced (its MAC), receive
+it (a broadcast group or the IPC buckets), verify, apply. The trainer's side is
 `rollout.weights.trainer_sync.TrainerWeightSync`; the keys they share are in
-`rollout.weights.rendezvous`."""
+`rollout.weights.rendezvous`, the MACs in `rollout.weights.trust`."""
 
 from __future__ import annotations
 
@@ -9,20 +9,24 @@ import datetime
 import logging
 from typing import Any
 
+import msgpack
 import torch.distributed as dist
 
 from rollout.weights.broadcast import Abort, WeightReceiver, WeightSyncError
 from rollout.weights.ipc import IpcReceiver
 from rollout.weights.rendezvous import (
+    ABORT,
+    ANNOUNCE,
+    COMMITTED,
     COMMITTED_KEY,
-    GENERATION_KEY,
-    IPC_KEY,
     abort_key,
+    announcement_fields,
     drop_group,
     local_address_towards,
     open_group_unless,
 )
 from rollout.weights.state import state_dict_checksum
+from rollout.weights.trust import verify
 
 log = logging.getLogger(__name__)
 
@@ -32,23 +36,31 @@ class NotMember(Exception):
 
 
 class EngineWeightSync:
-    """Engine side of weight sync. Each update names its *generation*, backend and members (the
-    engines that were serving when it began) in the trainer's TCPStore; a non-member declines.
-    Backend gloo/nccl: a member joins that generation's group lazily on SET_WEIGHT_VERSION
-    (rebuilt when the generation changes: after a broken transfer or a change of members) and
-    receives the broadcast (rollout.weights two-phase commit). Backend ipc: it maps the buckets
-    the trainer staged (payload in the store), verifies them all, then applies. Either way weights
-    are applied with `engine.update_weights` only after everything verified."""
+    """Engine side of weight sync. Each update comes with an announcement (SET_WEIGHT_VERSION,
+    through the coordinator) naming the trainer's store, its *generation*, backend and members
+    (the engines that were serving when it began), MACed with the key only the trainer and the
+    engines hold (`key`: rollout.weights.trust.weight_key of the coordinator's secret). An
+    announcement that does not verify is refused; one from another store (the next trainer of
+    a `rollout serve` service, or a restarted one) is followed. A non-member declines.
+    Backend gloo/nccl: a member joins that generation's group lazily (rebuilt when the
+    generation changes) and receives the broadcast (two-phase commit, its checksums MACed in
+    the trailer). Backend ipc: it maps the sealed buckets the announcement lists, verifies them
+    all, then applies. Either way weights are applied with `engine.update_weights` only after
+    everything verified, and the ack carries the checksum of exactly what was received, which
+    the trainer compares with its own."""
 
-    def __init__(self, engine: Any, info: dict):
+    def __init__(self, engine: Any, info: dict, key: bytes | None = None):
         self.engine = engine
-        self.info = info
-        self.report_checksum = bool(info.get("report_checksum", True))
+        self.info = dict(info)
+        self.key = key
+        self.store_id: str | None = info.get("store")  # which trainer's store is in use
         self.store: Any = None
         self.generation: str | None = None
         self.group: Any = None
         self.receiver: Any = None
         self.abort: Abort | None = None
+        self.received: tuple[int, int] | None = None  # (version, digest) of the last applied
+        self._active: Any = None  # the receiver of the transfer in progress
 
     def _store(self) -> Any:
         if self.store is None:
@@ -58,37 +70,88 @@ class EngineWeightSync:
         return self.store
 
     def committed_version(self) -> int | None:
-        """The version the trainer last applied to every member; None before the first update."""
+        """The version the trainer last applied to every member; None before the first update
+        (or when the key holds what the trainer did not MAC: ignored)."""
         store = self._store()
-        return int(store.get(COMMITTED_KEY)) if store.check([COMMITTED_KEY]) else None
+        if not store.check([COMMITTED_KEY]):
+            return None
+        try:
+            version, tag = msgpack.unpackb(store.get(COMMITTED_KEY))
+        except (ValueError, TypeError, msgpack.UnpackException):
+            version, tag = None, None
+        if type(version) is not int or not verify(
+            self.key, COMMITTED, [self.store_id, version], tag
+        ):
+            log.warning("ignoring a committed weight version the trainer did not MAC")
+            return None
+        return version
 
-    def _generation(self) -> tuple[str, str, list[int]]:
-        """(generation key, backend, member ranks) of the update being sent; NotMember if this
-        engine is not one of them."""
-        gen = self._store().get(GENERATION_KEY).decode()
-        number, backend, members = gen.split(":")
-        ranks = [int(r) for r in members.split(",") if r]
+    def _aborted(self, generation: str) -> bool:
+        """The trainer's MACed abort of `generation` is in the store (anyone else's is not)."""
+        store = self._store()
+        if not store.check([abort_key(generation)]):
+            return False
+        try:
+            _, tag = msgpack.unpackb(store.get(abort_key(generation)))
+        except (ValueError, TypeError, msgpack.UnpackException):
+            return False
+        return verify(self.key, ABORT, [generation], tag)
+
+    def _accept(self, version: int, announcement: Any) -> dict:
+        """The announcement, once its MAC verified and this engine is a member; follows the
+        announcing trainer's store when it is not the one in use. WeightSyncError / NotMember."""
+        if not isinstance(announcement, dict):
+            raise WeightSyncError("no weight-sync announcement came with this version")
+        try:
+            fields = announcement_fields(version, announcement)
+        except TypeError as e:
+            raise WeightSyncError(f"malformed weight-sync announcement ({e})") from None
+        if not verify(self.key, ANNOUNCE, fields, announcement.get("mac")):
+            raise WeightSyncError(f"weight update to version {version} refused: its announcement "
+                                  "is not MACed by the trainer's key")  # fmt: skip
+        host, port, members = (announcement.get(k) for k in ("host", "port", "members"))
+        if not isinstance(host, str) or type(port) is not int or not isinstance(members, list):
+            raise WeightSyncError(f"malformed weight-sync announcement: {announcement!r}")
+        self._follow(announcement)
         me = int(self.info["rank"])
-        if me not in ranks:
-            raise NotMember(f"engine rank {me} is not a member of update group {number} "
-                             f"(members {ranks})")  # fmt: skip
-        return gen, backend, ranks
+        if me not in members:
+            raise NotMember(f"engine rank {me} is not a member of update group "
+                            f"{announcement.get('generation')} (members {members})")  # fmt: skip
+        return announcement
+
+    def _follow(self, a: dict) -> None:
+        """Use the store the announcement names (a trainer after the first, or one restarted
+        on the same port, has another store id)."""
+        where = (a["host"], a["port"], a.get("store"))
+        if where == (self.info["host"], int(self.info["port"]), self.store_id):
+            return
+        self.close_group()
+        self.store = None
+        self.info.update(host=a["host"], port=a["port"], timeout_s=a.get("timeout_s", 300.0))
+        self.store_id = a.get("store")
 
     def _group(self, gen: str, backend: str, ranks: list[int]) -> None:
         if gen == self.generation:
             return
         self.close_group()
-        number, me = gen.split(":")[0], int(self.info["rank"])
+        me = int(self.info["rank"])
         timeout = float(self.info.get("timeout_s", 300))
         host, port = self.info["host"], int(self.info["port"])
-        aborted = lambda: self._store().check([abort_key(number)])  # noqa: E731
-        self.group = open_group_unless(aborted, backend, (host, port), number,
+        self.group = open_group_unless(lambda: self._aborted(gen), backend, (host, port), gen,
                                        ranks.index(me) + 1, len(ranks) + 1, timeout,
                                        local_host=local_address_towards(host, port))  # fmt: skip
         self.generation, self.abort = gen, Abort()
-        self.receiver = WeightReceiver(self.engine.model, self.group,
-                                       apply_fn=self.engine.update_weights, allow_cast=True,
-                                       abort=self.abort)  # fmt: skip
+        self.receiver = WeightReceiver(self.engine.model, self.group, apply_fn=self._apply,
+                                       allow_cast=True, abort=self.abort, key=self.key,
+                                       context=gen)  # fmt: skip
+
+    def _apply(self, views: dict, version: int) -> None:
+        """Apply verified weights, keeping the digest of exactly what was received (its
+        manifest and checksums: rollout.weights.layout.transfer_digest), which the trainer
+        compares with its own."""
+        digest = self._active.digest
+        self.engine.update_weights(views, version)
+        self.received = (version, digest)
 
     def watch_abort(self) -> bool:
         """Called while a broadcast is being received: True (and the transfer ends) once the
@@ -96,21 +159,25 @@ class EngineWeightSync:
         gen, abort = self.generation, self.abort
         if gen is None or abort is None or abort.is_set():
             return False
-        if self._store().check([abort_key(gen.split(":")[0])]):
+        if self._aborted(gen):
             abort.set()
             return True
         return False
 
-    def receive(self, version: int) -> dict:
+    def receive(self, version: int, announcement: Any = None) -> dict:
+        """Take part in the update `announcement` describes; the ack for the trainer."""
         try:
-            gen, backend, ranks = self._generation()
-            if self._store().check([abort_key(gen.split(":")[0])]):
-                raise WeightSyncError("the trainer aborted this transfer", transport_broken=True)
+            a = self._accept(version, announcement)
+            gen, backend = str(a.get("generation")), a.get("backend")
             if backend == "ipc":
-                result = self._receive_ipc(version)
+                result = self._receive_ipc(version, a.get("ipc"))
             else:
-                self._group(gen, backend, ranks)
+                if self._aborted(gen):
+                    raise WeightSyncError("the trainer aborted this transfer",
+                                          transport_broken=True)  # fmt: skip
+                self._group(gen, backend, [int(r) for r in a["members"]])
                 self.receiver.version = int(self.engine.weight_version)
+                self._active = self.receiver
                 result = self.receiver.receive()
             if result.version != version:
                 raise WeightSyncError(f"received version {result.version}, announced {version}")
@@ -122,21 +189,30 @@ class EngineWeightSync:
                 self.close_group()
             log.warning("weight sync to version %d failed: %s", version, e)
             info = {"weight_version": int(self.engine.weight_version), "error": str(e)}
-            if info["weight_version"] == version and self.report_checksum:
-                info["checksum"] = state_dict_checksum(self.engine.model)  # applied, then a peer
-            return info  # died before the final vote: the trainer's retry counts it as done
+            if info["weight_version"] == version:  # applied, then a peer died before the
+                info.update(self._checksums(version))  # final vote: the retry counts it done
+            return info
         info = {"weight_version": int(self.engine.weight_version), "bytes": result.num_bytes,
                 "seconds": result.seconds}  # fmt: skip
-        if self.report_checksum:
-            info["checksum"] = state_dict_checksum(self.engine.model)
-        return info
+        return {**info, **self._checksums(version)}
 
-    def _receive_ipc(self, version: int) -> Any:
+    def _checksums(self, version: int) -> dict:
+        """`checksum`: of the model now (engines must agree); `received`: the digest of what
+        this engine received for `version` (the trainer's own must match)."""
+        out = {"checksum": state_dict_checksum(self.engine.model)}
+        if self.received is not None and self.received[0] == version:
+            out["received"] = self.received[1]
+        return out
+
+    def _receive_ipc(self, version: int, payload: Any) -> Any:
         """Map, verify and apply the buckets the trainer staged for `version` (same host)."""
+        if not isinstance(payload, bytes):
+            raise WeightSyncError("an ipc update came without its payload")
         self.close_group()  # a group left from a broadcast update serves no purpose now
-        receiver = IpcReceiver(self.engine.model, apply_fn=self.engine.update_weights,
+        receiver = IpcReceiver(self.engine.model, apply_fn=self._apply,
                                version=int(self.engine.weight_version), allow_cast=True)  # fmt: skip
-        return receiver.receive(self._store().get(IPC_KEY), expected_version=version)
+        self._active = receiver
+        return receiver.receive(payload, expected_version=version)
 
     def close_group(self) -> None:
         drop_group(self.group, float(self.info.get("timeout_s", 300)))

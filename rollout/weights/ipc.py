@@ -3,11 +3,19 @@
 When trainer and engines share a device, pushing bytes through a process group is wasted work,
 and on one GPU it is impossible (NCCL cannot put two ranks on one device). So the trainer packs
 the state dict into a few buckets placed in memory another process can map -- a CUDA allocation
-shared through a CUDA IPC handle, or a shared-memory file on CPU -- and sends only the handles
-and the manifest (msgpack bytes: names, dtypes, shapes, offsets, version, one checksum per
-bucket). Each engine maps every bucket, verifies every checksum, and only then applies all
-tensors at once, so a bad transfer leaves its old weights and version serving. The trainer
-frees the buckets once every engine answered.
+shared through a CUDA IPC handle, or a sealed memfd on CPU -- and sends only the handles and the
+manifest (msgpack bytes: names, dtypes, shapes, offsets, version, one checksum per bucket). Each
+engine maps every bucket, verifies every checksum, and only then applies all tensors at once, so
+a bad transfer leaves its old weights and version serving. The trainer frees the buckets once
+every engine answered.
+
+CPU buckets are memfds, not files in /dev/shm: they have no name another process could open
+for writing, they are sealed against any write but the trainer's own mapping (an engine checks
+the seals before it trusts a checksum: nobody can change the bytes between its check and its
+copy), and they vanish with the trainer's process and the engines' mappings, so a SIGKILLed
+trainer leaves no model-sized copy in shared memory. Engines reach them through
+/proc/<trainer pid>/fd/<fd>, which needs the trainer's user. The payload itself (handles,
+checksums) travels only in the trainer's MACed announcement (rollout.weights.trust).
 
 Buckets: the flat stream of `rollout.weights.layout` cut at tensor boundaries into pieces of
 about `bucket_bytes` (a larger tensor is a bucket of its own), so every tensor is one view of
@@ -21,11 +29,10 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import fcntl
 import mmap
 import multiprocessing as mp
 import os
-import secrets
-import tempfile
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -50,6 +57,7 @@ from rollout.weights.layout import (
     _unpack_manifest,
     bucket_checksum,
     plan_layout,
+    transfer_digest,
 )
 from rollout.weights.state import (
     _target_tensors,
@@ -59,8 +67,9 @@ from rollout.weights.state import (
     state_dict_checksum,
 )
 
-SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-SHM_PREFIX = "rollout-weights-"  # every segment this module creates starts with it
+SHM_PREFIX = "rollout-weights-"  # every memfd this module creates is named so (+ its pid)
+F_SEAL_FUTURE_WRITE = 0x0010  # linux >= 5.1: no new writable mapping or write(); ours stays
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
 BucketHook = Callable[[int, torch.Tensor], None]
 
 
@@ -81,27 +90,30 @@ def plan_buckets(slots: list[TensorSlot], total: int, bucket_bytes: int) -> list
 
 
 class _ShmBuffer:
-    """A 0600 file in shared memory (/dev/shm), mapped here; removed on release or at exit."""
+    """A sealed memfd, mapped writable here only (see the module docstring); freed on release,
+    or with this process."""
 
     def __init__(self, nbytes: int) -> None:
-        self.path = os.path.join(SHM_DIR, f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        self._unlink = weakref.finalize(self, _remove, self.path)
+        self.fd = os.memfd_create(f"{SHM_PREFIX}{os.getpid()}",
+                                  os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)  # fmt: skip
+        self._close = weakref.finalize(self, os.close, self.fd)
         try:
-            os.ftruncate(fd, nbytes)
-            self._mm = mmap.mmap(fd, nbytes)
-        finally:
-            os.close(fd)
+            os.ftruncate(self.fd, nbytes)
+            self._mm = mmap.mmap(self.fd, nbytes)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)  # after our mapping: it keeps writing
+        except BaseException:
+            self._close()
+            raise
         self.tensor: torch.Tensor | None = torch.frombuffer(self._mm, dtype=torch.uint8)
 
     def handle(self) -> list:
-        return ["shm", self.path]
+        return ["memfd", os.getpid(), self.fd]
 
     def release(self) -> None:
         self.tensor = None
         with contextlib.suppress(BufferError):  # a view still alive: unmapped when it dies
             self._mm.close()
-        self._unlink()
+        self._close()
 
 
 class _CudaBuffer:
@@ -120,11 +132,6 @@ class _CudaBuffer:
         self.tensor = None
 
 
-def _remove(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
 def _allocate(nbytes: int, device: torch.device) -> _ShmBuffer | _CudaBuffer:
     if device.type == "cuda":
         return _CudaBuffer(nbytes, device)
@@ -137,14 +144,12 @@ def _open(handle: list, nbytes: int) -> torch.Tensor:
     """The 1-D uint8 view of a bucket another process shared (read as given: the checksum is
     what vouches for the bytes)."""
     kind, *fields = handle
-    if kind == "shm":
-        (path,) = fields
-        if os.path.dirname(path) != SHM_DIR or not os.path.basename(path).startswith(SHM_PREFIX):
-            raise WeightSyncError(f"refusing to map {path!r}: not a weight-sync segment")
+    if kind == "memfd":
+        pid, number = fields
+        path = f"/proc/{int(pid)}/fd/{int(number)}"
         fd = os.open(path, os.O_RDONLY)
         try:
-            if os.fstat(fd).st_size < nbytes:
-                raise WeightSyncError(f"segment {path} is shorter than {nbytes} bytes")
+            _check_sealed(fd, path, nbytes)
             mm = mmap.mmap(fd, nbytes, access=mmap.ACCESS_COPY)  # private: never writes back
         finally:
             os.close(fd)
@@ -157,6 +162,17 @@ def _open(handle: list, nbytes: int) -> torch.Tensor:
         out = torch.empty(0, dtype=torch.uint8, device=storage.device)
         return out.set_(storage, 0, (nbytes,), (1,))
     raise WeightSyncError(f"unknown shared-memory kind {kind!r}")
+
+
+def _check_sealed(fd: int, path: str, nbytes: int) -> None:
+    """The bytes behind `fd` can change only through the trainer's own mapping: a weight-sync
+    memfd, sealed, large enough."""
+    if not os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith(f"memfd:{SHM_PREFIX}"):
+        raise WeightSyncError(f"refusing to map {path}: not a weight-sync memfd")
+    if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
+        raise WeightSyncError(f"refusing to map {path}: it is not sealed against writes")
+    if os.fstat(fd).st_size < nbytes:
+        raise WeightSyncError(f"bucket {path} is shorter than {nbytes} bytes")
 
 
 # ---- trainer side ---------------------------------------------------------------------------
@@ -172,6 +188,7 @@ class SharedWeights:
     num_tensors: int
     buffers: list[_ShmBuffer | _CudaBuffer]
     pool: list[_ShmBuffer] | None = None  # the sender's, when it reuses shared-memory files
+    digest: int | None = None  # transfer_digest of the manifest and bucket checksums
 
     def release(self, reuse: bool = True) -> None:
         """Let go of every bucket once every engine answered. `reuse=False` (an engine may
@@ -191,34 +208,10 @@ class SharedWeights:
         self.release(reuse=exc[0] is None)
 
 
-def remove_orphaned_segments() -> list[str]:
-    """Remove the shared-memory files of trainers that died without cleaning up (SIGKILL, OOM):
-    each file names its creator's pid, and a dead pid's weights can never be read again."""
-    removed = []
-    for name in os.listdir(SHM_DIR):
-        if not name.startswith(SHM_PREFIX):
-            continue
-        pid = name[len(SHM_PREFIX) :].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            _remove(os.path.join(SHM_DIR, name))
-            removed.append(name)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
-
-
 class IpcSender:
     """Packs a state dict into shared buckets on the tensors' device (`device` overrides).
 
-    Shared-memory files are kept for the next version (`reuse_cpu_buffers`): writing into fresh
+    Memfds are kept for the next version (`reuse_cpu_buffers`): writing into fresh
     shared pages costs the kernel a fault and a zeroed page each, several times the copy itself.
     CUDA buckets are always freed, so training gets the memory back.
     """
@@ -237,7 +230,6 @@ class IpcSender:
         bucket_checksum(torch.empty(0, dtype=torch.uint8), self.algo)  # validates the name
         self.device = torch.device(device) if device is not None else None
         self._pool: list[_ShmBuffer] | None = [] if reuse_cpu_buffers else None
-        remove_orphaned_segments()
 
     @torch.no_grad()
     def stage(
@@ -273,6 +265,7 @@ class IpcSender:
         manifest = _pack_manifest(version, slots, total, self.bucket_bytes, self.algo,
                                   self.bucket_bytes)  # fmt: skip
         staged.payload = msgpack.packb({"magic": MAGIC, "manifest": manifest, "buckets": rows})
+        staged.digest = transfer_digest(manifest, [r[2] for r in rows])
         return staged
 
     def _take_pool(self) -> list[_ShmBuffer]:
@@ -282,7 +275,7 @@ class IpcSender:
         return spare
 
     def close(self) -> None:
-        """Free the kept shared-memory files."""
+        """Free the kept memfds."""
         for b in self._take_pool():
             b.release()
 
@@ -322,12 +315,13 @@ class IpcReceiver:
         self.apply_fn = apply_fn
         self.version = version
         self.allow_cast = allow_cast
+        self.digest: int | None = None  # transfer_digest of what the last apply received
 
     @torch.no_grad()
     def receive(self, payload: bytes, expected_version: int | None = None) -> SyncResult:
         """Verify everything, then apply; raises WeightSyncError with nothing applied."""
         t0 = time.perf_counter()
-        version, slots, total, algo, buckets = _read_payload(payload)
+        manifest, version, slots, total, algo, buckets = _read_payload(payload)
         if expected_version is not None and version != expected_version:
             raise WeightSyncError(f"staged version {version}, announced {expected_version}")
         if version <= self.version:
@@ -349,6 +343,7 @@ class IpcReceiver:
             raise WeightSyncError(f"version {version} refused: checksum mismatch in bucket(s) "
                                   f"{bad} of {len(buckets)}; nothing applied")  # fmt: skip
         views = _tensor_views(slots, buckets, mapped)
+        self.digest = transfer_digest(manifest, [b[2] for b in buckets])
         try:
             if self.apply_fn is not None:
                 self.apply_fn(views, version)
@@ -369,7 +364,7 @@ def _wait_for_copies(mapped: list[torch.Tensor]) -> None:
         torch.cuda.synchronize(device)
 
 
-def _read_payload(payload: bytes) -> tuple[int, list[TensorSlot], int, str, list[list]]:
+def _read_payload(payload: bytes) -> tuple[bytes, int, list[TensorSlot], int, str, list[list]]:
     try:
         m = msgpack.unpackb(payload)
         if m["magic"] != MAGIC:
@@ -381,7 +376,7 @@ def _read_payload(payload: bytes) -> tuple[int, list[TensorSlot], int, str, list
             raise ValueError("buckets do not tile the stream")
     except (ValueError, KeyError, TypeError, IndexError, msgpack.UnpackException) as e:
         raise WeightSyncError(f"unreadable ipc weight payload ({type(e).__name__}: {e})") from e
-    return version, slots, total, algo, buckets
+    return m["manifest"], version, slots, total, algo, buckets
 
 
 def _tensor_views(slots, buckets, mapped) -> dict[str, torch.Tensor]:

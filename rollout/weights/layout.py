@@ -109,6 +109,16 @@ def _sum_rows(buf: torch.Tensor) -> int:
     return int.from_bytes(hashlib.blake2b(digest, digest_size=8).digest(), "little") >> 2
 
 
+def transfer_digest(manifest: bytes, sums: list[int]) -> int:
+    """One number for a whole transfer: its manifest (names, dtypes, shapes, offsets, version)
+    and every chunk's checksum, which sender and receivers have at hand anyway. A receiver acks
+    it for what it verified and applied; the trainer compares it with its own (no extra pass
+    over the weights)."""
+    h = hashlib.blake2b(manifest, digest_size=8)
+    h.update(msgpack.packb(list(sums)))
+    return int.from_bytes(h.digest(), "little") >> 2
+
+
 def _pack_manifest(
     version: int, slots: list[TensorSlot], total: int, bucket: int, algo: str, direct: int
 ) -> bytes:

@@ -1,10 +1,15 @@
 """The weight-sync rendezvous: a torch TCPStore that listens on one chosen interface only.
 
 torch's TCPStore server listens on every interface whatever host it is given, and anyone who
-reaches its port can read and write every key: it has no authentication, so no shared secret
-can guard it. The store here is therefore bound explicitly, to loopback by default. Binding
-another interface (engines on other hosts) is only for a trusted network, such as a private
-cluster network or one closed by a firewall to everything but the engine hosts.
+reaches its port can read and write every key: it has no authentication. The store here is
+therefore bound explicitly, to loopback by default, and engines trust nothing in it that the
+trainer did not MAC (rollout.weights.trust): an update's generation, backend and members come in
+the MACed announcement, not from the store; aborts and the committed version are MACed; the
+broadcast's checksums are MACed in its trailer. What the store still decides alone is liveness:
+someone who reaches it can stall or fail a group's forming (a denial of service, never weights
+of their own). Binding another interface (engines on other hosts) needs the coordinator's secret
+(no MAC without it) and is best kept to a private network: the broadcast's bytes are not
+encrypted.
 """
 
 from __future__ import annotations
@@ -19,12 +24,25 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from rollout.weights.broadcast import WeightSyncError
+from rollout.weights.trust import digest
 
 LOOPBACK = "127.0.0.1"
 # Keys the trainer writes and the engines read (weights.trainer_sync, weights.engine_sync)
-GENERATION_KEY = "rollout/weight_sync/generation"  # "<number>:<backend>:<member ranks, comma sep>"
-IPC_KEY = "rollout/weight_sync/ipc"  # the staged version's msgpack payload (backend "ipc")
-COMMITTED_KEY = "rollout/weight_sync/committed"  # the version last applied to every member
+COMMITTED_KEY = "rollout/weight_sync/committed"  # msgpack [version, MAC]: applied to every member
+# The purposes of the trainer's MACs (rollout.weights.trust.sign)
+ANNOUNCE, ABORT, COMMITTED = "announce", "abort", "committed"
+# What an announcement's MAC covers, besides the version (large payloads by their digest)
+ANNOUNCED = ("host", "port", "timeout_s", "store", "generation", "backend", "members")
+
+
+def announcement_fields(version: int, announcement: dict) -> list:
+    """The fields of a SET_WEIGHT_VERSION announcement its MAC covers, in a fixed order."""
+    return [version, *(announcement.get(k) for k in ANNOUNCED), digest(announcement.get("ipc"))]
+
+
+def is_loopback(host: str) -> bool:
+    """`host` is an address only this machine reaches (127.0.0.0/8, ::1, localhost)."""
+    return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
 def open_store(host: str = LOOPBACK, port: int = 0, timeout_s: float = 300.0) -> dist.TCPStore:
@@ -56,7 +74,8 @@ def open_store(host: str = LOOPBACK, port: int = 0, timeout_s: float = 300.0) ->
 
 def abort_key(generation: int | str) -> str:
     """Set by the trainer when it gave up on a generation's transfer (a member died in it):
-    the engines still blocked in it abandon it (rollout.weights.broadcast.Abort)."""
+    the engines still blocked in it abandon it (rollout.weights.broadcast.Abort). Its value,
+    msgpack [why, MAC], is what they check: a key written by anyone else is ignored."""
     return f"rollout/weight_sync/{generation}/aborted"
 
 

@@ -1,12 +1,16 @@
 """The trainer's side of weight sync: hand each update to the serving engines, by broadcast or
 by shared buckets (ipc), and record what they all hold.
 
-A persistent TCPStore (created at construction, so its port can go to the engines when they are
-spawned) names each update's *generation*: its backend ("gloo"/"nccl": the trainer is rank 0 of
-a process group, one rendezvous per generation; "ipc": the staged payload under IPC_KEY) and its
-members. A broken transfer bumps the generation, and the next update builds a fresh group
-without new ports. The engine's side is `rollout.weights.engine_sync.EngineWeightSync`; the
-keys both sides use are in `rollout.weights.rendezvous`.
+Each update is announced in SET_WEIGHT_VERSION (through the coordinator) with its
+*generation*: backend ("gloo"/"nccl": the trainer is rank 0 of a process group that meets in a
+persistent TCPStore, created at construction so its port can go to spawned engines; "ipc": the
+staged buckets' payload rides in the announcement itself) and members. A broken transfer bumps
+the generation, and the next update builds a fresh group without new ports. Generation ids carry
+a random nonce (nobody can pre-write their keys), and the announcement, the broadcast's trailer,
+aborts and the committed version are MACed with the coordinator's secret (rollout.weights.trust):
+the store is readable and writable by anyone who reaches it, so engines trust only what the key
+vouches for. The engine's side is `rollout.weights.engine_sync.EngineWeightSync`; the keys both
+sides use are in `rollout.weights.rendezvous`.
 """
 
 from __future__ import annotations
@@ -17,21 +21,26 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import msgpack
 import torch
 
 from rollout.weights.broadcast import Abort, WeightSender, WeightSyncError
 from rollout.weights.ipc import IpcSender
 from rollout.weights.rendezvous import (
+    ABORT,
+    ANNOUNCE,
+    COMMITTED,
     COMMITTED_KEY,
-    GENERATION_KEY,
-    IPC_KEY,
     LOOPBACK,
     abort_key,
+    announcement_fields,
     drop_group,
     gloo_host_of_trainer,
+    is_loopback,
     open_group_unless,
     open_store,
 )
+from rollout.weights.trust import nonce, sign
 
 IPC = "ipc"
 TRANSPORTS = ("auto", "broadcast", IPC)
@@ -43,7 +52,9 @@ Announce = Callable[[], concurrent.futures.Future]  # sends SET_WEIGHT_VERSION; 
 class TrainerWeightSync:
     """The trainer's side of weight sync (see the module docstring). `transport`: "broadcast",
     "ipc", or "auto" (ipc for updates whose tensors sit on `engine_device`, when that is one of
-    AUTO_IPC_DEVICES; broadcast otherwise)."""
+    AUTO_IPC_DEVICES; broadcast otherwise). `key`: rollout.weights.trust.weight_key of the
+    coordinator's secret; without one (an unauthenticated coordinator) the store must stay on
+    loopback."""
 
     def __init__(
         self,
@@ -52,15 +63,22 @@ class TrainerWeightSync:
         transport: str = "auto",
         engine_device: torch.device | None = None,
         host: str = LOOPBACK,
+        key: bytes | None = None,
     ) -> None:
+        if key is None and not is_loopback(host):
+            raise ValueError(f"weight_sync_host={host!r} is beyond loopback, where weights must be "
+                             "authenticated: give the coordinator an auth token")  # fmt: skip
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.transport = transport
         self.engine_device = _indexed(engine_device or torch.device("cpu"))
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.host = host  # the store has no auth: loopback unless the user names an interface
+        self.key = key
         self.store = open_store(host, 0, timeout_s)
-        self.generation = 0
+        self.store_id = nonce()  # engines tell this store from a predecessor's on the same port
+        self.generation_number = 0
+        self.generation = ""  # "<number>-<nonce>": its keys in the store cannot be pre-written
         self.generation_backend: str | None = None
         self.members: list[tuple[int, int]] = []
         self.group: Any = None
@@ -68,6 +86,8 @@ class TrainerWeightSync:
         self._abort: Abort | None = None  # the broadcast's in flight, for abort_transfer
         self._lock = threading.Lock()
         self.ipc: IpcSender | None = None
+        self.ipc_payload: bytes | None = None  # the staged buckets of the update in flight
+        self.digest: int | None = None  # the last transfer's (layout.transfer_digest)
 
     def transport_for(self, sd: Mapping[str, torch.Tensor]) -> str:
         """ "ipc" or "broadcast" for an update of `sd` (engines are this host's processes)."""
@@ -86,7 +106,9 @@ class TrainerWeightSync:
         announce: Announce,
     ) -> tuple[dict[int, dict], str, float]:
         """Hand `version` to `members`; returns every engine's ack, the transport and the
-        trainer's seconds. Raises WeightSyncError when the trainer's side failed."""
+        trainer's seconds (and `digest`: what each ack's `received` must be). Raises
+        WeightSyncError when the trainer's side failed."""
+        self.digest = None
         if self.transport_for(sd) == IPC:
             infos, seconds = self._transfer_ipc(sd, version, members, on_bucket, announce)
             return infos, IPC, seconds
@@ -94,7 +116,8 @@ class TrainerWeightSync:
         return infos, "broadcast", seconds
 
     def _transfer_broadcast(self, sd, version, members, on_bucket, announce):
-        self.prepare(members, self.backend)  # in the store before workers look
+        self.prepare(members, self.backend)
+        self.ipc_payload = None
         ack = announce()
         result = None
         if members:
@@ -132,23 +155,33 @@ class TrainerWeightSync:
             except Exception as e:
                 raise WeightSyncError(f"weight update to version {version} failed before any "
                                       f"engine saw it ({e}); every engine keeps its weights") from e  # fmt: skip
-            self.store.set(IPC_KEY, staged.payload)
+        self.ipc_payload = staged.payload if staged is not None else None
+        self.digest = staged.digest if staged is not None else None
         answered = False
         try:
             infos = _result(announce(), self.timeout_s)
             answered = not any("lost" in i for i in infos.values())
         finally:
+            self.ipc_payload = None
             if staged is not None:
                 staged.release(reuse=answered)
         return infos, time.perf_counter() - t0
 
     def worker_info(self, rank: int) -> dict[str, Any]:
-        return {**self.rendezvous(), "rank": rank}
+        """What a spawned engine starts with: this store (for the committed version)."""
+        return {"host": self.host, "port": self.store.port, "timeout_s": self.timeout_s,
+                "store": self.store_id, "rank": rank}  # fmt: skip
 
-    def rendezvous(self) -> dict[str, Any]:
-        """Where engines find this store: sent with every SET_WEIGHT_VERSION, so an engine
-        that joined from another host becomes a member of the next update."""
-        return {"host": self.host, "port": self.store.port, "timeout_s": self.timeout_s}
+    def announcement(self, version: int) -> dict[str, Any]:
+        """The update sent with SET_WEIGHT_VERSION: where this store is (an engine that joined
+        from another host, or that served an earlier trainer, follows it), the generation, its
+        backend and members, the ipc payload, and the MAC over all of it and `version`."""
+        a = {"host": self.host, "port": self.store.port, "timeout_s": self.timeout_s,
+             "store": self.store_id, "generation": self.generation,
+             "backend": self.generation_backend or self.backend,
+             "members": [r for r, _ in self.members], "ipc": self.ipc_payload}  # fmt: skip
+        a["mac"] = sign(self.key, ANNOUNCE, announcement_fields(version, a))
+        return a
 
     def prepare(self, members: list[tuple[int, int]], backend: str) -> None:
         """Announce this update's (rank, pid) members and backend: the same generation again, or
@@ -157,15 +190,15 @@ class TrainerWeightSync:
         group_gone = backend != IPC and self.sender is None
         if group_gone or members != self.members or backend != self.generation_backend:
             self.broken()
-            self.generation += 1
+            self.generation_number += 1
+            self.generation = f"{self.generation_number}-{nonce()}"
             self.members, self.generation_backend = list(members), backend
-            ranks = ",".join(str(r) for r, _ in members)
-            self.store.set(GENERATION_KEY, f"{self.generation}:{backend}:{ranks}")
 
     def commit(self, version: int) -> None:
         """Record `version` as what every serving engine holds (engines that register later
-        compare theirs with it)."""
-        self.store.set(COMMITTED_KEY, str(version))
+        compare theirs with it), MACed: a forged one would make every new engine quit."""
+        tag = sign(self.key, COMMITTED, [self.store_id, version])
+        self.store.set(COMMITTED_KEY, msgpack.packb([version, tag]))
 
     def send(self, sd: dict[str, torch.Tensor], version: int, on_bucket: Any) -> Any:
         """Broadcast `sd` to this generation's group (formed on first use); `abort_transfer`
@@ -173,12 +206,17 @@ class TrainerWeightSync:
         abort = self.sender.c.abort if self.sender is not None else Abort()
         with self._lock:
             self._abort = abort
+        sender = self.sender
         try:
-            if self.sender is None:
+            if sender is None:
                 self.group = self._form_group(abort)
-                self.sender = WeightSender(self.group, bucket_bytes=self.bucket_bytes, abort=abort)
-            return self.sender.send(sd, version, on_bucket)
+                sender = self.sender = WeightSender(self.group, bucket_bytes=self.bucket_bytes,
+                                                    abort=abort, key=self.key,
+                                                    context=self.generation)  # fmt: skip
+            sender.digest = None
+            return sender.send(sd, version, on_bucket)
         finally:
+            self.digest = sender.digest if sender is not None else None
             with self._lock:
                 self._abort = None
 
@@ -204,7 +242,8 @@ class TrainerWeightSync:
     def _mark_aborted(self, why: str) -> None:
         """Engines blocked in this generation's broadcast end it (EngineWeightSync.watch_abort)."""
         if self.store is not None:
-            self.store.set(abort_key(self.generation), why)
+            tag = sign(self.key, ABORT, [self.generation])
+            self.store.set(abort_key(self.generation), msgpack.packb([why, tag]))
 
     def broken(self) -> None:
         self.sender = None
