@@ -95,6 +95,25 @@ def _add_http_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--logprobs-mode", default="raw_logprobs", choices=sorted(VLLM_LOGPROBS_MODES),
                    help="HTTP log-probs of requests that name no logprobs_mode: raw_logprobs "
                         "(temperature 1) or processed_logprobs (at the request's temperature)")  # fmt: skip
+    _add_http_limits(p)
+
+
+def _add_http_limits(p: argparse.ArgumentParser) -> None:
+    """What the HTTP front end admits (defaults: `Limits` and `ConnectionLimits`)."""
+    for flag, kind, default, what in _HTTP_LIMITS:
+        p.add_argument(flag, type=kind, default=default, help=what)
+
+
+_HTTP_LIMITS = (
+    ("--http-max-connections", int, 1024, "open HTTP connections (one more is answered 503)"),
+    ("--http-request-timeout", float, 10.0, "seconds for a request to arrive whole"),
+    ("--http-max-choices", int, 1024, "prompts x n of one request (past it: 400)"),
+    ("--http-max-logprobs", int, 20, "top log-probs per token (past it: 400)"),
+    ("--http-max-request-tokens", int, 4_000_000,
+     "prompt tokens x n + choices x max_tokens of one request (past it: 400)"),
+    ("--http-max-inflight-choices", int, 8192, "choices in flight, all callers (past it: 429)"),
+    ("--http-max-inflight-tokens", int, 32_000_000, "tokens in flight, all callers (past it: 429)"),
+)  # fmt: skip
 
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -211,6 +230,7 @@ class _EngineEvents:
 
 def serve(args: argparse.Namespace) -> int:
     _check_serve(args)
+    http_limits = _http_limits(args) if args.http_port is not None else None  # refused early
     token, token_file = _serve_token(args)
     events = _EngineEvents(args.dp)
 
@@ -246,7 +266,7 @@ def serve(args: argparse.Namespace) -> int:
             raise SystemExit(f"rollout serve: {e}") from None
         print(f"ready: {args.dp} engine(s) at {address}", flush=True)
         if args.http_port is not None:
-            _serve_http(args, address, token, cluster, events)
+            _serve_http(args, address, token, cluster, events, http_limits)
         while cluster.coordinator_process.is_alive() and not events.all_gave_up.is_set():
             cluster.coordinator_process.join(1.0)
         if events.all_gave_up.is_set():
@@ -276,7 +296,7 @@ def _http_token(args: argparse.Namespace) -> str | None:
 
 
 def _serve_http(args: argparse.Namespace, address: str, token: str | None,
-                cluster: EngineCluster, events: _EngineEvents) -> None:  # fmt: skip
+                cluster: EngineCluster, events: _EngineEvents, limits: tuple) -> None:  # fmt: skip
     """Run the OpenAI-compatible HTTP front end in this process until a signal, the coordinator
     exiting or every engine being given up. uvicorn re-raises the signal it caught once it has
     shut down, which reaches `_raise_interrupt`: HTTP stops first, then engines, coordinator."""
@@ -285,6 +305,9 @@ def _serve_http(args: argparse.Namespace, address: str, token: str | None,
 
     from rollout.serving.http.app import build_app
     from rollout.serving.http.chat import load_chat_template, special_tokens_of
+    from rollout.serving.http.server import install_log_rate_limit, uvicorn_config
+
+    work, connections = limits
 
     http_token = _http_token(args)
     if http_token is None and not _is_loopback(args.http_host):
@@ -303,7 +326,8 @@ def _serve_http(args: argparse.Namespace, address: str, token: str | None,
                     tokenizer=tokenizer_from_source(None, args.model),
                     model_name=args.served_model_name or args.model, chat_template=template,
                     special_tokens=special_tokens_of(args.model) if is_dir else {},
-                    http_token=http_token, logprobs_mode=args.logprobs_mode)  # fmt: skip
+                    http_token=http_token, logprobs_mode=args.logprobs_mode,
+                    limits=work)  # fmt: skip
     family = socket.AF_INET6 if ":" in args.http_host else socket.AF_INET
     # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say so; without it a
     # reused connection waits ~40 ms per request (Nagle against delayed ACKs)
@@ -318,7 +342,8 @@ def _serve_http(args: argparse.Namespace, address: str, token: str | None,
         ) from None
     sock.listen(2048)  # callers queue from here, before uvicorn accepts: the URL works once printed
     host = f"[{args.http_host}]" if family == socket.AF_INET6 else args.http_host
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn_config(app, connections, log_level="warning", lifespan="on"))
+    install_log_rate_limit()
 
     def watch() -> None:
         while cluster.coordinator_process.is_alive() and not events.all_gave_up.is_set():
@@ -333,6 +358,28 @@ def _serve_http(args: argparse.Namespace, address: str, token: str | None,
         server.run(sockets=[sock])
     finally:
         sock.close()
+
+
+def _http_limits(args: argparse.Namespace):  # -> (Limits, ConnectionLimits)
+    """The HTTP limits the flags give; the connection cap leaves descriptors in reserve."""
+    from rollout.serving.http.limits import Limits
+    from rollout.serving.http.server import ConnectionLimits, connection_cap, raise_fd_limit
+
+    fd_limit = raise_fd_limit()
+    cap = connection_cap(args.http_max_connections, fd_limit)
+    if cap < args.http_max_connections:
+        print(f"WARNING: --http-max-connections {args.http_max_connections} lowered to {cap}: the "
+              f"open-file limit is {fd_limit}", file=sys.stderr, flush=True)  # fmt: skip
+    try:
+        return Limits(
+            max_choices=args.http_max_choices,
+            max_logprobs=args.http_max_logprobs,
+            max_request_tokens=args.http_max_request_tokens,
+            max_inflight_choices=args.http_max_inflight_choices,
+            max_inflight_tokens=args.http_max_inflight_tokens,
+        ), ConnectionLimits(max_connections=cap, request_timeout_s=args.http_request_timeout)
+    except ValueError as e:
+        raise SystemExit(f"rollout serve: HTTP limits: {e}") from None
 
 
 def _is_loopback(host: str) -> bool:

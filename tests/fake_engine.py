@@ -172,7 +172,7 @@ class FakeEngine:
                 new = req.generated_tokens[streamed:]
                 lps = req.generated_log_probs[streamed:] if sp.return_log_probs else []
                 versions = req.generated_weight_versions[streamed:]
-                out.partials.append((rid, list(new), list(lps), list(versions)))
+                out.partials.append((rid, list(new), list(lps), list(versions), []))
                 self._active[rid] = (record, context, len(req.generated_tokens))
         out.finished.extend(self._done)
         self._done = []

@@ -22,11 +22,14 @@ from rollout.sampling import SamplingParams
 @dataclass
 class StepOutput:
     """What one step produced: finished records and streaming partials
-    `(request_id, new_tokens, new_log_probs, new_weight_versions)` (log-probs empty unless
-    requested; the versions let another engine resume the request with exact staleness)."""
+    `(request_id, new_tokens, new_log_probs, new_weight_versions, new_top_n_logprobs)`
+    (log-probs and top-n empty unless requested; the versions let another engine resume the
+    request with exact staleness)."""
 
     finished: list[DynamicInferenceRequestRecord] = field(default_factory=list)
-    partials: list[tuple[int, list[int], list[float], list[int]]] = field(default_factory=list)
+    partials: list[tuple[int, list[int], list[float], list[int], list[dict]]] = field(
+        default_factory=list
+    )
 
 
 @runtime_checkable

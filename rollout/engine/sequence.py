@@ -94,18 +94,25 @@ class Sequence:
         self.cacheable = True
         return blocks
 
-    def take_partial(self) -> tuple[int, list[int], list[float], list[int]]:
+    def take_partial(self) -> tuple[int, list[int], list[float], list[int], list[dict]]:
         """What was generated since the last partial, as a StepOutput partial `(request_id,
-        tokens, log_probs, weight_versions)`; the next partial starts after it."""
+        tokens, log_probs, weight_versions, top_n_logprobs)`; the next partial starts after it."""
         start, self.streamed = self.streamed, self.num_generated
         n = self.num_generated - start
-        versions: list[int] = []  # an eviction checkpoint may split them over segments
-        for req in reversed(self.record.requests):
-            if len(versions) >= n:
-                break
-            versions[:0] = req.generated_weight_versions[-(n - len(versions)) :]
+        versions = self._last_generated("generated_weight_versions", n)
+        tops = self._last_generated("generated_top_n_logprobs", n)
         tokens = self.tokens[self.first_prompt_len + start :]
-        return self.request_id, tokens, self.log_probs[start:], versions
+        return self.request_id, tokens, self.log_probs[start:], versions, tops
+
+    def _last_generated(self, field: str, n: int) -> list:
+        """The last `n` entries of a per-generated-token record field (an eviction checkpoint
+        may split them over segments); fewer when the field is not kept (top-n not asked)."""
+        out: list = []
+        for req in reversed(self.record.requests):
+            if len(out) >= n:
+                break
+            out[:0] = getattr(req, field)[-(n - len(out)) :]
+        return out
 
     def stop_reason(self, token: int) -> str | None:
         """Why generation ends after `token` was appended (None: keep going)."""

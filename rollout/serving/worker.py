@@ -48,6 +48,7 @@ from rollout.protocol import (
     encode,
     pack_floats,
     pack_hashes,
+    pack_obj,
     pack_tokens,
     pack_versions,
     unpack_hashes,
@@ -76,6 +77,11 @@ ABORT_CHECK_S = 0.2
 
 class StaleWeights(RuntimeError):
     """The engine holds weights older than the version the trainer last committed."""
+
+
+def _extra(top_n_logprobs: list[dict]) -> bytes | None:
+    """A partial's optional payload: the top log-probs of its tokens, when they were asked."""
+    return pack_obj({"top_n_logprobs": top_n_logprobs}) if top_n_logprobs else None
 
 
 class EngineWorker:
@@ -379,13 +385,14 @@ class EngineWorker:
         self.counters["steps"] += 1
         if out.partials:
             rows = [
-                [rid, pack_tokens(toks), pack_floats(lps), pack_versions(versions), None]
-                for rid, toks, lps, versions in out.partials
+                [rid, pack_tokens(toks), pack_floats(lps), pack_versions(versions), _extra(tops)]
+                for rid, toks, lps, versions, tops in out.partials
                 if rid in self.active
             ]
             if rows:
                 self.counters["partials"] += len(rows)
-                sizes = [len(r[1]) + len(r[2]) + len(r[3]) + ROW_OVERHEAD for r in rows]
+                sizes = [len(r[1]) + len(r[2]) + len(r[3]) + len(r[4] or b"") + ROW_OVERHEAD
+                         for r in rows]  # fmt: skip
                 self._send_rows(Headers.REPLY_PARTIAL, rows, sizes)
         if out.finished:
             self._send_replies(out.finished)

@@ -4,7 +4,8 @@ Text prompts are tokenized here (with the model's tokenizer, exactly as an engin
 response can return the exact prompt ids; generation always returns the ids, per-token log-probs
 and the weight version of every token. While engines are paused or suspended the coordinator
 holds requests, so they simply wait; a caller that asks not to wait (`X-Rollout-No-Wait: 1` or
-`"wait": false`) gets 503 instead. A caller that disconnects aborts its requests.
+`"wait": false`) gets 503 instead. A caller that disconnects aborts its requests. How much work
+a request may ask for, and how much is in flight at once, is bounded (`limits.py`: 400 / 429).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from rollout.engine.intake import RequestError
 from rollout.sampling import VLLM_LOGPROBS_MODES, SamplingParams
 from rollout.serving.auth import tokens_match
 from rollout.serving.client import ClientStopped, InferenceClient, Partial, RequestFailed
-from rollout.serving.http.chat import render_chat
-from rollout.serving.http.metrics import HTTPMetrics
+from rollout.serving.http.chat import join_text_parts, render_chat
+from rollout.serving.http.limits import Admission, Limits, Ticket, check_logprobs
+from rollout.serving.http.metrics import HTTPMetrics, route_label
 from rollout.serving.http.schemas import (
     APIError,
     ChatRequest,
@@ -37,6 +39,7 @@ from rollout.serving.http.schemas import (
     finish_reason,
     sampling_params,
 )
+from rollout.serving.http.text_checks import refuse_lone_surrogates
 from rollout.tokenizers import detokenize_with, tokenize_with
 
 log = logging.getLogger(__name__)
@@ -50,7 +53,7 @@ class Backend:
 
     def __init__(self, address: str, auth_token: str | None, tokenizer: Any, model_name: str,
                  chat_template: str | None, special_tokens: dict[str, str],
-                 http_token: str | None) -> None:  # fmt: skip
+                 http_token: str | None, limits: Limits) -> None:  # fmt: skip
         self.client = InferenceClient(address, auth_token=auth_token)
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -59,6 +62,8 @@ class Backend:
         self.http_token = http_token
         self.logprobs_mode = "raw_logprobs"  # of requests that name none (--logprobs-mode)
         self.metrics = HTTPMetrics()
+        self.limits = limits
+        self.admission = Admission(limits)
         self.created = int(time.time())
 
     def text(self, ids: list[int]) -> str:
@@ -70,8 +75,10 @@ class Backend:
         return tokenize_with(self.tokenizer, text, bos=bos)
 
 
-def _error(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+def _error(e: APIError) -> Response:
+    # ASCII JSON: a message quoting the caller's input can hold text UTF-8 cannot encode
+    return Response(json.dumps(e.body()), status_code=e.status, headers=e.headers,
+                    media_type="application/json")  # fmt: skip
 
 
 def build_app(
@@ -84,14 +91,16 @@ def build_app(
     special_tokens: dict[str, str] | None = None,
     http_token: str | None = None,
     logprobs_mode: str = "raw_logprobs",
+    limits: Limits | None = None,
 ) -> FastAPI:
     """The app for the coordinator at `address` (joined with its `auth_token`). `http_token`:
     the bearer token every /v1 route and /metrics require (None: no HTTP auth).
-    `logprobs_mode`: vLLM's spelling, for requests that name none."""
+    `logprobs_mode`: vLLM's spelling, for requests that name none. `limits`: the work it admits
+    (default: `Limits()`)."""
     if logprobs_mode not in VLLM_LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode must be one of {sorted(VLLM_LOGPROBS_MODES)}, got {logprobs_mode!r}")  # fmt: skip
     be = Backend(address, auth_token, tokenizer, model_name, chat_template,
-                 special_tokens or {}, http_token)  # fmt: skip
+                 special_tokens or {}, http_token, limits or Limits())  # fmt: skip
     be.logprobs_mode = logprobs_mode
 
     @contextlib.asynccontextmanager
@@ -106,39 +115,40 @@ def build_app(
     app.state.backend = be
 
     @app.exception_handler(APIError)
-    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+    async def _api_error(request: Request, e: APIError) -> Response:
         return _error(e)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
         return _error(APIError(e.status_code, str(e.detail), kind))
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, e: RequestValidationError) -> Response:
         first = e.errors()[0] if e.errors() else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
         return _error(bad_request(msg, loc[0] if loc else None))
 
     @app.exception_handler(Exception)
-    async def _internal(request: Request, e: Exception) -> JSONResponse:
+    async def _internal(request: Request, e: Exception) -> Response:
         log.exception("internal error on %s", request.url.path)
         return _error(APIError(500, f"internal error: {type(e).__name__}", "server_error"))
 
     @app.middleware("http")
     async def _auth_and_metrics(request: Request, call_next: Callable) -> Response:
         path = request.url.path
+        route = route_label(app.router.routes, request.scope)
         guarded = path.startswith("/v1/") or path == "/metrics"
         if guarded and be.http_token is not None:
             scheme, _, given = request.headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not tokens_match(given, be.http_token):
-                be.metrics.request_done(path, 401, 0.0)
+                be.metrics.request_done(route, 401, 0.0)
                 return _error(APIError(401, "invalid or missing bearer token",
                                        "invalid_request_error", code="invalid_api_key"))  # fmt: skip
         t0 = time.perf_counter()
         response = await call_next(request)
-        be.metrics.request_done(path, response.status_code, time.perf_counter() - t0)
+        be.metrics.request_done(route, response.status_code, time.perf_counter() - t0)
         return response
 
     @app.get("/health")
@@ -157,11 +167,13 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
+        refuse_lone_surrogates(req)
         prompts = _completion_prompts(be, req)
         return await _generate(be, req, request, prompts, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request) -> Response:
+        refuse_lone_surrogates(req)
         return await _generate(be, req, request, [_chat_prompt(be, req)], chat=True)
 
     return app
@@ -190,7 +202,8 @@ def _chat_prompt(be: Backend, req: ChatRequest) -> list[int]:
         raise bad_request(f"model {be.model_name!r} has no chat template: use /v1/completions "
                           "or start the server with --chat-template", "messages")  # fmt: skip
     try:
-        text = render_chat(be.chat_template, req.messages, req.add_generation_prompt,
+        messages = join_text_parts(req.messages)
+        text = render_chat(be.chat_template, messages, req.add_generation_prompt,
                            tools=req.tools, **be.special_tokens)  # fmt: skip
     except ValueError as e:
         raise bad_request(str(e), "messages") from None
@@ -237,13 +250,22 @@ async def _generate(be: Backend, req: Any, request: Request, prompts: list[list[
         raise APIError(404, f"model {req.model!r} does not exist (this server serves "
                             f"{be.model_name!r})", param="model", code="model_not_found")  # fmt: skip
     sps = sampling_params(req, be.logprobs_mode)
-    await _check_wait(be, req, request)
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    if req.stream:
-        stream = _stream(be, req, prompts, sps, chat, rid)
-        return StreamingResponse(stream, media_type="text/event-stream")
-    futures = _submit(be, prompts, sps)
-    records = await _wait_or_abort(be, futures, request)
+    check_logprobs(req, be.limits)
+    ticket = be.admission.admit(prompts, sps)
+    streaming = False
+    try:
+        await _check_wait(be, req, request)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        if req.stream:
+            stream = _stream(be, req, prompts, sps, chat, rid, ticket)
+            ticket.release_with(stream)  # a stream that never starts never reaches its finally
+            streaming = True
+            return StreamingResponse(stream, media_type="text/event-stream")
+        futures = _submit(be, prompts, sps)
+        records = await _wait_or_abort(be, futures, request)
+    finally:
+        if not streaming:
+            ticket.release()
     choices = [_choice(be, req, i, prompts[i // len(sps)], rec, chat)
                for i, rec in enumerate(records)]  # fmt: skip
     usage = _usage(prompts, len(sps), [len(r.generated_tokens) for r in records])
@@ -314,36 +336,47 @@ def _choice(be: Backend, req: Any, index: int, prompt: list[int], rec: Any, chat
            "weight_versions": list(rec.generated_weight_versions), "prompt_token_ids": prompt}  # fmt: skip
     reason = finish_reason(rec.stop_reason)
     if chat:
-        lp = _chat_logprobs(be, tokens, rec) if req.logprobs else None
+        lp = (
+            _chat_logprobs(be, tokens, rec.generated_log_probs, _tops(rec, len(tokens)))
+            if req.logprobs
+            else None
+        )
         return {"index": index, "message": {"role": "assistant", "content": text},
                 "logprobs": lp, "finish_reason": reason, **ext}  # fmt: skip
     if req.echo:
         text = be.text(prompt) + text
-    lp = _completion_logprobs(be, tokens, rec) if req.logprobs is not None else None
+    lp = None
+    if req.logprobs is not None:
+        lp, _ = _completion_logprobs(be, tokens, rec.generated_log_probs, _tops(rec, len(tokens)))
     return {"index": index, "text": text, "logprobs": lp, "finish_reason": reason, **ext}
 
 
-def _completion_logprobs(be: Backend, tokens: list[int], rec: Any) -> dict:
+def _tops(rec: Any, n: int, start: int = 0) -> list[dict]:
+    """Top log-probs of generated tokens start..start+n ({} each when none were asked)."""
+    return rec.generated_top_n_logprobs[start : start + n] or [{}] * n
+
+
+def _completion_logprobs(be: Backend, tokens: list[int], lps: list[float], tops: list[dict],
+                         offset: int = 0) -> tuple[dict, int]:  # fmt: skip
+    """The completions `logprobs` object of `tokens` whose text starts at `offset` (a stream's
+    chunks continue where the last ended), and the offset after them."""
     strs = [be.text([t]) for t in tokens]
-    offsets, pos = [], 0
+    offsets, pos = [], offset
     for s in strs:
         offsets.append(pos)
         pos += len(s)
-    tops = rec.generated_top_n_logprobs or [{}] * len(tokens)
-    return {"tokens": strs, "token_logprobs": list(rec.generated_log_probs),
+    return {"tokens": strs, "token_logprobs": list(lps),
             "top_logprobs": [{be.text([k]): v for k, v in top.items()} for top in tops],
-            "text_offset": offsets}  # fmt: skip
+            "text_offset": offsets}, pos  # fmt: skip
 
 
-def _chat_logprobs(be: Backend, tokens: list[int], rec: Any) -> dict:
-    tops = rec.generated_top_n_logprobs or [{}] * len(tokens)
-
+def _chat_logprobs(be: Backend, tokens: list[int], lps: list[float], tops: list[dict]) -> dict:
     def entry(tid: int, lp: float) -> dict:
         s = be.text([tid])
         return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
 
     return {"content": [{**entry(t, lp), "top_logprobs": [entry(k, v) for k, v in top.items()]}
-                        for t, lp, top in zip(tokens, rec.generated_log_probs, tops, strict=True)]}  # fmt: skip
+                        for t, lp, top in zip(tokens, lps, tops, strict=True)]}  # fmt: skip
 
 
 # ---- streaming ------------------------------------------------------------------------------
@@ -353,11 +386,18 @@ def _sse(obj: Any) -> bytes:
     return f"data: {json.dumps(obj)}\n\n".encode()
 
 
+def _partial_tops(item: Partial, n: int) -> list[dict]:
+    """The top log-probs a partial carries for its `n` tokens ({} each when none were asked)."""
+    tops = (item.extra or {}).get("top_n_logprobs") if isinstance(item.extra, dict) else None
+    return [{int(k): v for k, v in t.items()} for t in tops] if tops else [{}] * n
+
+
 async def _stream(be: Backend, req: Any, prompts: list[list[int]], sps: list[SamplingParams],
-                  chat: bool, rid: str) -> AsyncIterator[bytes]:  # fmt: skip
+                  chat: bool, rid: str, ticket: Ticket) -> AsyncIterator[bytes]:  # fmt: skip
     """Server-sent events: one chunk per streamed partial of any choice, each choice's last
     chunk carrying its finish_reason, then `data: [DONE]`. Starlette cancels this generator when
-    the caller disconnects; closing each choice's client stream then aborts its request."""
+    the caller disconnects; closing each choice's client stream then aborts its request. Asked
+    log-probs come in each chunk in the unstreamed shape, for that chunk's tokens."""
     queue: asyncio.Queue = asyncio.Queue()
     jobs = [(p, sp) for p in prompts for sp in sps]
     obj = "chat.completion.chunk" if chat else "text_completion"
@@ -376,6 +416,8 @@ async def _stream(be: Backend, req: Any, prompts: list[list[int]], sps: list[Sam
     sent_tokens = [0] * len(jobs)
     sent_text = [""] * len(jobs)
     streamed: list[list[int]] = [[] for _ in jobs]
+    text_offsets = [0] * len(jobs)
+    want_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
     live = len(jobs)
     try:
         if chat:
@@ -399,6 +441,7 @@ async def _stream(be: Backend, req: Any, prompts: list[list[int]], sps: list[Sam
                     item.weight_versions,
                     None,
                 )
+                tops = _partial_tops(item, len(tokens))
                 streamed[i].extend(tokens)
                 # a trailing U+FFFD may be an incomplete UTF-8 sequence: held until it resolves
                 stable = be.text(streamed[i]).rstrip("\ufffd")
@@ -413,6 +456,7 @@ async def _stream(be: Backend, req: Any, prompts: list[list[int]], sps: list[Sam
                 tokens = list(rec.generated_tokens[n:])
                 lps = list(rec.generated_log_probs[n:])
                 versions = list(rec.generated_weight_versions[n:])
+                tops = _tops(rec, len(tokens), n)
                 reason = finish_reason(rec.stop_reason)
                 full = (
                     rec.generated_text
@@ -424,11 +468,16 @@ async def _stream(be: Backend, req: Any, prompts: list[list[int]], sps: list[Sam
                                   len(rec.generated_tokens))  # fmt: skip
             sent_tokens[i] += len(tokens)
             ext = {"token_ids": tokens, "token_logprobs": lps, "weight_versions": versions}
+            lp = None
+            if want_logprobs and chat:
+                lp = _chat_logprobs(be, tokens, lps, tops)
+            elif want_logprobs:
+                lp, text_offsets[i] = _completion_logprobs(be, tokens, lps, tops, text_offsets[i])
             if chat:
                 choice = {"index": i, "delta": {"content": delta} if delta else {},
-                          "logprobs": None, "finish_reason": reason, **ext}  # fmt: skip
+                          "logprobs": lp, "finish_reason": reason, **ext}  # fmt: skip
             else:
-                choice = {"index": i, "text": delta, "logprobs": None, "finish_reason": reason,
+                choice = {"index": i, "text": delta, "logprobs": lp, "finish_reason": reason,
                           **ext}  # fmt: skip
             if reason is not None:
                 choice["prompt_token_ids"] = jobs[i][0]
@@ -440,6 +489,7 @@ async def _stream(be: Backend, req: Any, prompts: list[list[int]], sps: list[Sam
                         "choices": [], "usage": usage})  # fmt: skip
         yield b"data: [DONE]\n\n"
     finally:
+        ticket.release()
         for t in tasks:
             if not t.done():
                 t.cancel()

@@ -152,3 +152,32 @@ def render_chat(
         raise ValueError(f"chat template error: {e.message or type(e).__name__}") from e
     except (TypeError, KeyError, IndexError, AttributeError, ArithmeticError) as e:
         raise ValueError(f"chat template failed on these messages: {e}") from e
+
+
+def join_text_parts(messages: list[Any]) -> list[Any]:
+    """`messages` with OpenAI content-part lists (`[{"type": "text", "text": ...}, ...]`, what
+    the official clients and agent frameworks send) joined into one string per message, with
+    newlines between parts as vLLM joins them: templates expect a string and would otherwise
+    render the list's Python repr. Parts of other types (images, audio, files) are a ValueError
+    naming them: this server generates from text only."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            m = {**m, "content": "\n".join(_part_text(i, j, p) for j, p in enumerate(content))}
+        out.append(m)
+    return out
+
+
+def _part_text(i: int, j: int, part: Any) -> str:
+    where = f"messages[{i}].content[{j}]"
+    if not isinstance(part, dict):
+        raise ValueError(f"{where}: a content part must be an object with a type")
+    kind = part.get("type")
+    if kind != "text":
+        raise ValueError(f"{where}: content part type {kind!r} is not supported "
+                         "(this server takes only 'text' parts)")  # fmt: skip
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise ValueError(f"{where}: a text part needs a string 'text'")
+    return text

@@ -1,7 +1,9 @@
 """Prometheus metrics of the HTTP front end, in a registry of its own (so several apps in one
 process, as in tests, never collide in prometheus_client's global registry).
 
-Request counts and latencies are recorded as requests finish; the coordinator's state, weight
+Request counts and latencies are recorded as requests finish, labelled by route template (the
+app's own routes, every other path as "other"): a label per raw path would let any caller,
+unauthenticated ones included, grow the label set without bound. The coordinator's state, weight
 version and per-engine load are read from its stats at scrape time, so they are never stale.
 """
 
@@ -9,9 +11,21 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
+from starlette.routing import Match
+from starlette.types import Scope
 
 STATES = ("RUNNING", "PAUSED", "SUSPENDED", "STOPPING")
 ENGINE_FIELDS = ("weight_version", "assigned", "outstanding_tokens", "capacity")
+OTHER_ROUTE = "other"
+
+
+def route_label(routes: list, scope: Scope) -> str:
+    """The template of the route `scope` matches (wrong method included), else "other"."""
+    for route in routes:
+        match, _ = route.matches(scope)
+        if match is not Match.NONE:
+            return getattr(route, "path", OTHER_ROUTE)
+    return OTHER_ROUTE
 
 
 class HTTPMetrics:
@@ -45,7 +59,7 @@ class HTTPMetrics:
                               ["name"], registry=r)  # fmt: skip
 
     def request_done(self, route: str, status: int, seconds: float) -> None:
-        route = route if route.startswith("/v1/") or route in ("/health", "/metrics") else "other"
+        """Count a finished request; `route` must come from `route_label` (a bounded set)."""
         self.requests.labels(route, str(status)).inc()
         self.latency.labels(route).observe(seconds)
 

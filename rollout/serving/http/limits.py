@@ -1,0 +1,121 @@
+"""Admission: how much work the HTTP front end takes on, per request and in flight.
+
+One small request can fan out into a great deal of engine work (600 prompts x n=128 is 76,800
+engine requests; a thousand top log-probs per token times n times max_tokens is hundreds of MB
+of answer), and without a bound in flight a burst of such requests queues more than the engines
+can finish. So every request is measured before anything is submitted:
+
+- per request: choices (prompts x n), top log-probs per token, and tokens (prompt tokens of every
+  choice plus its max_tokens): past a limit the caller gets 400 naming the parameter to lower,
+  since retrying the same request can never succeed;
+- in flight, over all requests: choices and tokens admitted but not finished: past a limit the
+  caller gets 429 with Retry-After, since the same request succeeds once others finish.
+
+A request holds its `Ticket` until its answer is complete (a stream: until its last chunk or its
+caller's disconnect), then gives it back.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from rollout.sampling import SamplingParams
+from rollout.serving.http.schemas import APIError, ChatRequest, bad_request
+
+RETRY_AFTER_S = 1  # what a 429 suggests: in-flight work turns over within engine steps
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the front end admits; `rollout serve --http-max-*` flags set them."""
+
+    max_choices: int = 1024  # prompts x n of one request
+    max_logprobs: int = 20  # top log-probs per token (vLLM's default max_logprobs)
+    max_request_tokens: int = 4_000_000  # prompt tokens x n + choices x max_tokens, one request
+    max_inflight_choices: int = 8192  # engine requests admitted and not finished, all callers
+    max_inflight_tokens: int = 32_000_000  # their tokens, counted as for max_request_tokens
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            least = 0 if name == "max_logprobs" else 1
+            if value < least:
+                raise ValueError(f"{name} must be >= {least}, got {value}")
+        if self.max_choices > self.max_inflight_choices:
+            raise ValueError("max_choices must be <= max_inflight_choices (a request that can "
+                             "never fit in flight would wait forever)")  # fmt: skip
+        if self.max_request_tokens > self.max_inflight_tokens:
+            raise ValueError("max_request_tokens must be <= max_inflight_tokens")
+
+
+def check_logprobs(req: Any, limits: Limits) -> None:
+    """400 when a request asks for more top log-probs per token than the server gives."""
+    if isinstance(req, ChatRequest):
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs: true", "top_logprobs")
+        param, asked = "top_logprobs", req.top_logprobs or 0
+    else:
+        param, asked = "logprobs", req.logprobs or 0
+    if asked > limits.max_logprobs:
+        raise bad_request(f"{param} must be <= {limits.max_logprobs} on this server, got {asked}",
+                          param)  # fmt: skip
+
+
+def request_cost(prompts: list[list[int]], sps: list[SamplingParams]) -> tuple[int, int]:
+    """(choices, tokens) of a request: every choice holds its prompt and up to max_tokens."""
+    choices = len(prompts) * len(sps)
+    max_tokens = max(sp.num_tokens_to_generate for sp in sps)
+    return choices, sum(len(p) for p in prompts) * len(sps) + choices * max_tokens
+
+
+class Ticket:
+    """One admitted request's share of the in-flight budget; `release` is idempotent."""
+
+    def __init__(self, admission: Admission, choices: int, tokens: int) -> None:
+        self._admission, self.choices, self.tokens = admission, choices, tokens
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._admission._give_back(self)
+
+    def release_with(self, owner: object) -> None:
+        """Release when `owner` (a stream's generator) is collected, in case it never runs."""
+        weakref.finalize(owner, self.release)
+
+
+class Admission:
+    """The in-flight budget of one app (single event loop: no locking needed)."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.choices = 0
+        self.tokens = 0
+
+    def admit(self, prompts: list[list[int]], sps: list[SamplingParams]) -> Ticket:
+        choices, tokens = request_cost(prompts, sps)
+        lim = self.limits
+        if choices > lim.max_choices:
+            raise bad_request(f"prompts x n is {choices}, more than this server's limit of "
+                              f"{lim.max_choices} per request: lower n or send fewer prompts",
+                              "n")  # fmt: skip
+        if tokens > lim.max_request_tokens:
+            raise bad_request(f"this request may need {tokens} tokens (prompt tokens x n + "
+                              f"choices x max_tokens), more than this server's limit of "
+                              f"{lim.max_request_tokens}: lower max_tokens or n",
+                              "max_tokens")  # fmt: skip
+        if (self.choices + choices > lim.max_inflight_choices
+                or self.tokens + tokens > lim.max_inflight_tokens):  # fmt: skip
+            raise APIError(429, f"the server is at its limit of work in flight ({self.choices} "
+                                f"choices, {self.tokens} tokens): retry later",
+                           "rate_limit_error", code="too_many_requests",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
+        self.choices += choices
+        self.tokens += tokens
+        return Ticket(self, choices, tokens)
+
+    def _give_back(self, ticket: Ticket) -> None:
+        self.choices -= ticket.choices
+        self.tokens -= ticket.tokens
