@@ -28,7 +28,7 @@ from rollout.engine.intake import RequestError
 from rollout.sampling import VLLM_LOGPROBS_MODES, SamplingParams
 from rollout.serving.auth import tokens_match
 from rollout.serving.client import ClientStopped, InferenceClient, Partial, RequestFailed
-from rollout.serving.http.chat import join_text_parts, render_chat
+from rollout.serving.http.chat import prepare_messages, render_chat
 from rollout.serving.http.limits import Admission, Limits, Ticket, check_logprobs
 from rollout.serving.http.metrics import HTTPMetrics, route_label
 from rollout.serving.http.schemas import (
@@ -202,7 +202,7 @@ def _chat_prompt(be: Backend, req: ChatRequest) -> list[int]:
         raise bad_request(f"model {be.model_name!r} has no chat template: use /v1/completions "
                           "or start the server with --chat-template", "messages")  # fmt: skip
     try:
-        messages = join_text_parts(req.messages)
+        messages = prepare_messages(req.messages)
         text = render_chat(be.chat_template, messages, req.add_generation_prompt,
                            tools=req.tools, **be.special_tokens)  # fmt: skip
     except ValueError as e:

@@ -154,17 +154,23 @@ def render_chat(
         raise ValueError(f"chat template failed on these messages: {e}") from e
 
 
-def join_text_parts(messages: list[Any]) -> list[Any]:
-    """`messages` with OpenAI content-part lists (`[{"type": "text", "text": ...}, ...]`, what
-    the official clients and agent frameworks send) joined into one string per message, with
-    newlines between parts as vLLM joins them: templates expect a string and would otherwise
-    render the list's Python repr. Parts of other types (images, audio, files) are a ValueError
-    naming them: this server generates from text only."""
+def prepare_messages(messages: list[Any]) -> list[Any]:
+    """`messages` as a template gets them from an HTTP request: each an object with a string
+    role, and OpenAI content-part lists (`[{"type": "text", "text": ...}, ...]`, what the
+    official clients and agent frameworks send) joined into one string, with newlines between
+    parts as vLLM joins them: templates expect a string and would render the list's Python
+    repr. Parts of other types (images, audio, files) are a ValueError naming them: this server
+    generates from text only."""
     out = []
     for i, m in enumerate(messages):
-        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{i}] must be an object with a string 'role'")
+        content = m.get("content")
         if isinstance(content, list):
             m = {**m, "content": "\n".join(_part_text(i, j, p) for j, p in enumerate(content))}
+        elif content is not None and not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string, a list of content parts "
+                             "or null")  # fmt: skip
         out.append(m)
     return out
 

@@ -1,7 +1,8 @@
 """OpenAI request bodies for /v1/completions and /v1/chat/completions, and their mapping onto
 SamplingParams.
 
-Field names are OpenAI's; unknown fields are ignored (clients send many optional ones), while
+Field names are OpenAI's; unknown fields are ignored (clients send many optional ones), known
+ones are validated strictly (`true` is not a token id, `"2"` not a count), while
 parameters this server cannot honour (penalties, logit_bias, best_of) are refused rather than
 silently dropped, since a caller relying on them would get different samples. Extension fields:
 `top_k`, `ignore_eos`, `stop_token_ids`, `logprobs_mode` (vLLM's values raw_logprobs |
@@ -53,7 +54,7 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     temperature: float | None = None
