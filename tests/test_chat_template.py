@@ -10,6 +10,7 @@ loaded and rendered both by `rollout.serving.http.chat` and by transformers'
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from tokenizers import Tokenizer
@@ -378,3 +379,22 @@ def test_special_tokens_of_includes_model_specific_tokens_like_transformers(tmp_
     tokens = special_tokens_of(tmp_path)
     assert tokens["image_token"] == "<image>" and "add_bos_token" not in tokens
     assert tokens == _hf(tmp_path).special_tokens_map
+
+
+def test_prepare_messages_joins_text_parts_and_refuses_other_parts():
+    from rollout.serving.http.chat import prepare_messages
+
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": parts},
+            {"role": "assistant", "content": None, "tool_calls": []}]  # fmt: skip
+    assert prepare_messages(msgs) == [msgs[0], {"role": "user", "content": "a\nb"}, msgs[2]]
+    refused = [
+        ([{"role": "user", "content": [{"type": "input_audio"}]}], "'input_audio'"),
+        ([{"role": "user", "content": ["a"]}], "messages[0].content[0]"),
+        ([{"role": "user", "content": [{"type": "text", "text": 3}]}], "string 'text'"),
+        ([{"role": "user", "content": {"x": 1}}], "messages[0].content must be"),
+        ([{"content": "x"}], "string 'role'"),
+    ]
+    for messages, problem in refused:
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            prepare_messages(messages)

@@ -349,3 +349,14 @@ def test_short_schema_fuzz_finds_no_server_error(served, tmp_path):
     assert httpx.get(f"{served.url}/health").status_code == 200
     until(lambda: served.sockets() <= sockets)
     assert "Traceback" not in served.out.text(lines)
+
+
+def test_serve_refuses_inconsistent_http_limits_before_starting():
+    from rollout.cli import build_parser, serve
+
+    for flags, problem in [(["--http-max-choices", "0"], "max_choices must be >= 1"),
+                           (["--http-max-choices", "9000"], "max_choices must be <="),
+                           (["--http-request-timeout", "0"], "request_timeout_s")]:  # fmt: skip
+        args = build_parser().parse_args(["serve", "--model", "tiny", "--http-port", "0", *flags])
+        with pytest.raises(SystemExit, match=problem):
+            serve(args)
