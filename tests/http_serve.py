@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import resource
@@ -65,10 +66,8 @@ class Served:
         folder = f"/proc/{self.proc.pid}/fd"
         out = []
         for name in os.listdir(folder):
-            try:
+            with contextlib.suppress(FileNotFoundError):  # closed meanwhile
                 out.append(os.readlink(f"{folder}/{name}"))
-            except FileNotFoundError:  # closed meanwhile
-                pass
         return out
 
     def sockets(self) -> int:
