@@ -305,7 +305,7 @@ def _serve_http(args: argparse.Namespace, address: str, token: str | None,
 
     from rollout.serving.http.app import build_app
     from rollout.serving.http.chat import load_chat_template, special_tokens_of
-    from rollout.serving.http.server import install_log_rate_limit, uvicorn_config
+    from rollout.serving.http.server import KeepBacklog, install_log_rate_limit, uvicorn_config
 
     work, connections = limits
 
@@ -331,7 +331,7 @@ def _serve_http(args: argparse.Namespace, address: str, token: str | None,
     family = socket.AF_INET6 if ":" in args.http_host else socket.AF_INET
     # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say so; without it a
     # reused connection waits ~40 ms per request (Nagle against delayed ACKs)
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock = KeepBacklog(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # see server.py
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((args.http_host, args.http_port))

@@ -89,9 +89,10 @@ class Served:
         return self.out.text()
 
 
-def serve_http(tmp: Path, *flags: str, fd_soft_limit: int | None = None) -> Served:
+def serve_http(tmp: Path, *flags: str, fd_soft_limit: int | None = None,
+               fd_hard_limit: int | None = None) -> Served:  # fmt: skip
     """`rollout serve --model tiny --http-port 0` with a bearer token, a ChatML template and
-    `flags`; `fd_soft_limit`: the soft open-file limit it inherits."""
+    `flags`; `fd_soft_limit` / `fd_hard_limit`: the open-file limits it inherits."""
     (tmp / "coord").write_text(COORD_TOKEN)
     (tmp / "http").write_text(HTTP_TOKEN + "\n")
     (tmp / "chat.jinja").write_text(CHATML)
@@ -103,9 +104,9 @@ def serve_http(tmp: Path, *flags: str, fd_soft_limit: int | None = None) -> Serv
     env.pop("ROLLOUT_HTTP_TOKEN", None)
 
     def limit_fds() -> None:
-        if fd_soft_limit is not None:
-            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-            resource.setrlimit(resource.RLIMIT_NOFILE, (fd_soft_limit, hard))
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        hard = fd_hard_limit or hard
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(fd_soft_limit or soft, hard), hard))
 
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, preexec_fn=limit_fds)  # fmt: skip

@@ -7,8 +7,12 @@ default limits are checked in process (no engine: the app must refuse before sub
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import re
+import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -106,6 +110,40 @@ def test_half_sent_requests_are_cut_off_and_connections_are_capped(served):
     until(lambda: served.sockets() <= sockets)  # every connection's descriptor is back
     logged = served.out.text(lines)
     assert logged.count("refused a connection") <= 5, logged  # rate-limited, not one per caller
+
+
+def test_a_flood_past_the_descriptor_limit_leaves_room_to_restart_an_engine(tmp_path):
+    """1,100 half-sent requests against a server whose hard open-file limit is 1,024: the
+    connection cap (lowered to leave a reserve) keeps descriptors free, so an engine killed
+    meanwhile is restarted and the API answers once the flood is cut off."""
+    s = serve_http(tmp_path, "--http-max-connections", "5000", "--http-request-timeout", "3",
+                   fd_soft_limit=1024, fd_hard_limit=1024)  # fmt: skip
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1400:  # this test's own end of the flood
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    socks: list[socket.socket] = []
+    try:
+        s.out.wait_for(r"--http-max-connections 5000 lowered to 512")
+        engine = int(s.out.wait_for(r"engine 0 pid (\d+)")[1])
+        for _ in range(1100):
+            sock = socket.create_connection(s.address)
+            with contextlib.suppress(OSError):  # refused ones may be closed already
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            socks.append(sock)
+        os.kill(engine, signal.SIGKILL)
+        s.out.wait_for(r"engine 0 restarted pid")
+        for sock in socks:
+            _answer(sock, timeout=30)  # every one is answered or cut off, then closed
+        for sock in socks:
+            sock.close()
+        r = httpx.post(f"{s.base}/completions", headers=s.auth, timeout=60,
+                       json={"prompt": [1, 2], "max_tokens": 2})  # fmt: skip
+        assert r.status_code == 200, r.text
+    finally:
+        for sock in socks:
+            sock.close()
+        out = s.stop()
+    assert "Too many open files" not in out and "Traceback" not in out, out[-5000:]
 
 
 def test_repeated_log_lines_are_rate_limited():

@@ -10,6 +10,10 @@ restart needs pipes). So the server:
 - raises the soft descriptor limit to the hard one at startup, as vLLM does;
 - holds at most `max_connections` connections (fewer than the descriptors, with a reserve for
   engine restarts and the coordinator's sockets); one past it is answered 503 and closed;
+- accepts at most `ACCEPT_BURST` connections per event-loop turn (asyncio accepts up to the
+  server's `backlog` in one go, before any protocol sees them: with uvicorn's 2048 a flood
+  exhausts the descriptors however low the cap), while the kernel's listen queue stays long
+  (`KeepBacklog`), so bursts of honest callers still queue rather than being dropped;
 - gives each request `request_timeout_s` to arrive whole (headers and body) from the moment its
   connection opened or its previous response ended; a connection past it is closed (408);
 - rate-limits repeated log lines, so a flood of bad connections cannot flood the log.
@@ -21,6 +25,7 @@ import asyncio
 import functools
 import logging
 import resource
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +37,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 log = logging.getLogger(__name__)
 
 FD_RESERVE = 256  # descriptors kept for engine restarts, the coordinator client, logs, models
+ACCEPT_BURST = 64  # connections asyncio accepts per loop turn (uvicorn's `backlog`)
 _REFUSED_BODY = (b'{"error": {"message": "too many connections", "type": '
                  b'"service_unavailable_error", "param": null, "code": null}}')  # fmt: skip
 _REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nConnection: close\r\n"
@@ -67,8 +73,21 @@ def raise_fd_limit() -> int:
 
 
 def connection_cap(wanted: int, fd_soft_limit: int) -> int:
-    """`wanted` connections, or fewer when the descriptor limit leaves no room for the reserve."""
-    return max(1, min(wanted, fd_soft_limit - FD_RESERVE))
+    """`wanted` connections, or fewer when the descriptor limit leaves no room for the reserve
+    and the few accept bursts in flight before refused connections are closed."""
+    return max(1, min(wanted, fd_soft_limit - FD_RESERVE - 4 * ACCEPT_BURST))
+
+
+class KeepBacklog(socket.socket):
+    """A listening socket that keeps its first listen() backlog: asyncio listens again with the
+    server's `backlog`, which here is the small accept burst, not the queue length wanted."""
+
+    _listened = False
+
+    def listen(self, backlog: int = socket.SOMAXCONN) -> None:
+        if not self._listened:
+            super().listen(backlog)
+            self._listened = True
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -163,4 +182,4 @@ def uvicorn_config(app: Any, limits: ConnectionLimits, **kwargs: Any) -> uvicorn
     """uvicorn's Config for `app` under `limits` (extra kwargs: uvicorn's own)."""
     protocol = functools.partial(GuardedH11Protocol, limits=limits)
     return uvicorn.Config(app, http=protocol, timeout_keep_alive=limits.keep_alive_s,
-                          limit_concurrency=None, **kwargs)  # fmt: skip
+                          backlog=ACCEPT_BURST, limit_concurrency=None, **kwargs)  # fmt: skip
