@@ -353,7 +353,13 @@ def _choice(be: Backend, req: Any, index: int, prompt: list[int], rec: Any, chat
 
 def _tops(rec: Any, n: int, start: int = 0) -> list[dict]:
     """Top log-probs of generated tokens start..start+n ({} each when none were asked)."""
-    return rec.generated_top_n_logprobs[start : start + n] or [{}] * n
+    return _one_per_token(rec.generated_top_n_logprobs[start : start + n], n)
+
+
+def _one_per_token(tops: list[dict], n: int) -> list[dict]:
+    """`tops` aligned to the last of `n` tokens: tokens resumed from another engine's
+    checkpoint after a failover carry no top-n, and get {}."""
+    return [{}] * (n - len(tops)) + list(tops[-n:] if n else [])
 
 
 def _completion_logprobs(be: Backend, tokens: list[int], lps: list[float], tops: list[dict],
@@ -388,8 +394,8 @@ def _sse(obj: Any) -> bytes:
 
 def _partial_tops(item: Partial, n: int) -> list[dict]:
     """The top log-probs a partial carries for its `n` tokens ({} each when none were asked)."""
-    tops = (item.extra or {}).get("top_n_logprobs") if isinstance(item.extra, dict) else None
-    return [{int(k): v for k, v in t.items()} for t in tops] if tops else [{}] * n
+    tops = item.extra.get("top_n_logprobs") if isinstance(item.extra, dict) else None
+    return _one_per_token([{int(k): v for k, v in t.items()} for t in tops or []], n)
 
 
 async def _stream(be: Backend, req: Any, prompts: list[list[int]], sps: list[SamplingParams],
