@@ -13,6 +13,8 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
+
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -60,6 +62,8 @@ class Served:
         self.auth = {"Authorization": f"Bearer {HTTP_TOKEN}"}
         host, port = self.url.removeprefix("http://").rsplit(":", 1)
         self.address = (host, int(port))
+        # answered once the app's lifespan ran: its own sockets are open (a baseline for tests)
+        assert httpx.get(f"{self.url}/health", timeout=60).status_code == 200
 
     def fds(self) -> list[str]:
         """What each of the server's open descriptors is ("socket:[...]", "pipe:[...]", ...)."""
