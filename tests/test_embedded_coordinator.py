@@ -11,12 +11,14 @@ import time
 
 import pytest
 
+from rollout.config import ConfigError, load_config, validate
+from rollout.config.builders import manager_config
 from rollout.engine.config import InferenceConfig
 from rollout.engine.interface import EngineLost
 from rollout.models import build_model
 from rollout.models.config import ModelConfig
 from rollout.rl.batch_health import BatchFailed
-from rollout.rl.manager import RolloutManager
+from rollout.rl.manager import RolloutManager, RolloutManagerConfig
 from rollout.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
@@ -74,3 +76,12 @@ def test_mostly_failed_batch_raises_naming_the_reasons():
         assert sum(raised.value.reasons.values()) == 3
         got = m.collect(iter([bad, [256, 5], [256, 6], [256, 7]]), 4, sampling_params=SHORT)
         assert [s.failed for s in got] == [True, False, False, False]  # a few: handed out
+
+
+def test_max_failed_fraction_is_checked_where_it_is_set():
+    with pytest.raises(ValueError, match="max_failed_fraction"):
+        RolloutManagerConfig(max_failed_fraction=1.5)
+    with pytest.raises(ConfigError, match=r"rollout\.max_failed_fraction"):
+        validate(load_config(["rollout.max_failed_fraction=-0.1"]))
+    run = validate(load_config(["rollout.max_failed_fraction=0.25"]))
+    assert manager_config(run).max_failed_fraction == 0.25
