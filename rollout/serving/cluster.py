@@ -390,6 +390,10 @@ class EngineCluster:
             with contextlib.suppress(Exception):
                 self.call(lambda: self.client.stop(), timeout_s / 2)
         self.client = None
+        if self.lost is not None:  # no coordinator to tell the engines to stop: SIGTERM now
+            for p in self.engine_processes:
+                if p.is_alive():
+                    p.terminate()
         stop_processes(self.processes, timeout_s)
         if self.sync is not None:
             self.sync.close()
