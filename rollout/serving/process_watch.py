@@ -34,11 +34,16 @@ class ProcessWatch:
 
     def stop(self) -> None:
         """No call after this (a teardown stops the process on purpose); idempotent."""
+        if self._stopped.is_set():
+            return
         self._stopped.set()
         with contextlib.suppress(OSError):
             self._wake_w.send_bytes(b"")
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(5.0)
+        if not self._thread.is_alive():
+            self._wake_r.close()
+            self._wake_w.close()
 
     def _run(self) -> None:
         ready = mp.connection.wait([self.proc.sentinel, self._wake_r])
