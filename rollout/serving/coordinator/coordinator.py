@@ -470,8 +470,8 @@ class DataParallelInferenceCoordinator:
             v = info.get("weight_version")
             if type(v) is int and (pc.carries_weights or not engine.syncing):
                 engine.weight_version = v
-            if (engine.syncing and pc.carries_weights and v == self.weight_version  # the weights,
-                    and engine.identity in self.engines):  # never a label alone  # fmt: skip
+            received = pc.carries_weights and info.get("member") is not False  # the weights,
+            if engine.syncing and received and v == self.weight_version:  # never a label alone
                 self._admit_synced(engine)
         elif pc.signal is Headers.STOP:
             engine.stopped = True
