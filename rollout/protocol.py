@@ -17,7 +17,8 @@ stamps each token with the version that really sampled it. First dispatches carr
 Message catalogue (C = client, Co = coordinator, E = engine); `SCHEMA` is authoritative:
 
     CONNECT            C->Co   [auth_token]                   CONNECT_ACK   Co->C [client_id, num_engines, heartbeat_s]
-    ENGINE_REGISTER    E->Co   [rank, capacity, weight_version, auth_token, block_size]
+    ENGINE_REGISTER    E->Co   [rank, capacity, weight_version, auth_token, block_size, model(identity dict),
+                                version_is_label(bool: its weights did not come through the weight path)]
     ENGINE_REGISTER_ACK Co->E  [engine_id, heartbeat_s, state, weight_version, max_frame_bytes]
     SUBMIT_REQUEST     C->Co   [client_request_id, prompt(str | packed tokens), sampling_params(msgpack bytes),
                                 num_tokens_to_generate, stream, routing_key(str | None)]
@@ -168,6 +169,10 @@ SCHEMA: dict[Headers, tuple[tuple[str, Any], ...]] = {
         ("weight_version", INT),
         ("auth_token", OPT_STR),
         ("block_size", INT),
+        ("model", DICT),  # rollout.serving.model_identity: a misfit is refused
+        # True when the version is a label on weights that did not come through the weight path
+        # (a checkpoint): once a trainer pushes weights, such an engine is held until it has them
+        ("version_is_label", BOOL),
     ),
     Headers.ENGINE_REGISTER_ACK: (
         ("engine_id", INT),

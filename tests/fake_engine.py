@@ -73,6 +73,8 @@ class FakeTokenizer:
 
 
 class FakeEngine:
+    model = None  # no weights: identified to the coordinator by its type
+
     def __init__(self, config: FakeConfig | None = None, weight_version: int = 0, **kw: Any):
         self.config = config or FakeConfig(**kw)
         self.weight_version = weight_version

@@ -158,7 +158,11 @@ async def test_a_submitted_batch_reaches_each_engine_as_one_dispatch_frame():
     eng = ctx.socket(zmq.DEALER)
     eng.setsockopt(zmq.LINGER, 0)
     eng.connect(h.address)
-    eng.send(encode(Headers.ENGINE_REGISTER, 0, 1 << 20, 0, h.auth_token, 16))
+    eng.send(
+        encode(
+            Headers.ENGINE_REGISTER, 0, 1 << 20, 0, h.auth_token, 16, {"architecture": "raw"}, True
+        )
+    )
     assert eng.poll(5000) and decode(eng.recv())[0] is Headers.ENGINE_REGISTER_ACK
     client = await InferenceClient(h.address, auth_token=h.auth_token).start()
     try:

@@ -30,7 +30,11 @@ def _engine(ctx: zmq.Context, h: Harness, rank: int) -> zmq.Socket:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(h.address)
-    sock.send(encode(Headers.ENGINE_REGISTER, rank, 64, 0, h.auth_token, 16))
+    sock.send(
+        encode(
+            Headers.ENGINE_REGISTER, rank, 64, 0, h.auth_token, 16, {"architecture": "raw"}, True
+        )
+    )
     return sock
 
 

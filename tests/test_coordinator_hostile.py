@@ -89,7 +89,9 @@ async def test_by_default_a_peer_without_the_secret_gets_no_prompts():
     rogue_engine, rogue_client = _dealer(ctx, h.address), _dealer(ctx, h.address)
     try:
         assert h.auth_token
-        rogue_engine.send(encode(Headers.ENGINE_REGISTER, 0, 64, 0, None, 16))
+        rogue_engine.send(
+            encode(Headers.ENGINE_REGISTER, 0, 64, 0, None, 16, {"architecture": "raw"}, True)
+        )
         rogue_client.send(encode(Headers.CONNECT, "guess"))
         replies = _drain([rogue_engine, rogue_client])
         assert [(hd, f[2]) for hd, f in replies] == [

@@ -32,7 +32,7 @@ ENGINES = {"real": real_engine, "fake": FakeEngine}
 
 
 def test_the_protocol_names_its_members():
-    assert ATTRIBUTES == ["tokenizer", "weight_version"]
+    assert ATTRIBUTES == ["model", "tokenizer", "weight_version"]
     assert {"add_request", "step", "wake", "close", "update_weights", "discard"} <= set(METHODS)
 
 

@@ -20,7 +20,7 @@ from reference import tiny_model
 from rollout import LLM, InferenceConfig, SamplingParams
 from rollout.serving.cluster import EngineCluster
 from rollout.serving.supervisor import EngineSupervisor, RestartPolicy
-from rollout.serving.worker import EXIT_STALE_WEIGHTS
+from rollout.serving.worker import EXIT_REFUSED, EXIT_STALE_WEIGHTS
 from rollout.tokenizers import ByteTokenizer
 
 pytestmark = pytest.mark.timeout(240)
@@ -103,6 +103,23 @@ def test_supervisor_restarts_crashes_with_backoff_then_gives_up():
         assert [k for k, r in events if r == 0] == ["exited", "restarted"] * 2 + ["exited",
                                                                                   "gave_up"]  # fmt: skip
         assert ("restarted", 1) not in events
+    finally:
+        sup.stop()
+        reap(procs)
+
+
+def test_supervisor_gives_up_a_refused_engine_at_once():
+    """An engine the coordinator refused (another model) would be refused again: no restart."""
+    events: list[tuple[str, int]] = []
+    procs = [_spawn(EXIT_REFUSED)]
+    policy = RestartPolicy(max_restarts=5, window_s=60, backoff_s=0.05, backoff_max_s=0.1)
+    sup = EngineSupervisor(
+        policy, procs, lambda rank: _spawn(1), lambda k, r, d: events.append((k, r))
+    )
+    sup.start()
+    try:
+        wait_for(lambda: sup.stats()["gave_up"] == [0], 60, "rank 0 given up")
+        assert sup.stats()["restarts"] == 0 and events == [("exited", 0), ("gave_up", 0)]
     finally:
         sup.stop()
         reap(procs)

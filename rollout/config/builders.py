@@ -114,6 +114,7 @@ def manager_config(run: RunConfig, **changes: Any) -> RolloutManagerConfig:
         initial_version=0, dynamic_sampling=r.dynamic_sampling, max_extra_groups=r.max_extra_groups,
         max_turns=r.max_turns, max_episode_tokens=r.max_episode_tokens or run.engine.max_sequence_length,
         env_timeout_s=r.env_timeout_s, logprobs_mode=r.logprobs_mode.value,
+        max_failed_fraction=r.max_failed_fraction,
     )  # fmt: skip
     kwargs.update(changes)
     return RolloutManagerConfig(**kwargs)

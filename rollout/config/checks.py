@@ -186,6 +186,8 @@ def _check_rollout(run: RunConfig, errors: list[str]) -> None:
     r = run.rollout
     for name in ("dp", "samples_per_prompt", "prompts_per_step", "max_new_tokens", "max_turns"):
         _need(errors, getattr(r, name) >= 1, f"rollout.{name} must be >= 1, got {getattr(r, name)}")
+    _need(errors, 0 <= r.max_failed_fraction <= 1,
+          f"rollout.max_failed_fraction must be in [0, 1], got {r.max_failed_fraction}")  # fmt: skip
     if r.max_extra_groups is not None:
         _need(errors, r.max_extra_groups >= 0,
               f"rollout.max_extra_groups must be >= 0 or null, got {r.max_extra_groups}")  # fmt: skip

@@ -135,6 +135,7 @@ class RolloutCfg:
     max_turns: int = 8  # multi-turn episodes: model turns
     max_episode_tokens: int | None = None  # episodes: all tokens (None: engine.max_sequence_length)
     env_timeout_s: float = 60.0  # episodes: one environment call
+    max_failed_fraction: float = 0.5  # a batch with more failed samples raises BatchFailed
     # "tcp://HOST:PORT": attach to a running coordinator (`rollout serve` and the engines that
     # joined it from any host) instead of starting engines; dp = how many must have joined.
     # Its secret: coordinator.token / token_file.

@@ -19,6 +19,11 @@ from rollout.request import DynamicInferenceRequestRecord
 from rollout.sampling import SamplingParams
 
 
+class EngineLost(RuntimeError):
+    """The engine is gone for good (a cluster's coordinator died): nothing in flight will
+    finish and nothing new can start, so callers stop instead of failing request by request."""
+
+
 @dataclass
 class StepOutput:
     """What one step produced: finished records and streaming partials
@@ -38,6 +43,7 @@ class EngineProtocol(Protocol):
 
     weight_version: int  # the weights new tokens are sampled with
     tokenizer: Any  # text prompts are tokenized with it (None: token-id prompts only)
+    model: Any  # the torch module it computes with; None where the weights live elsewhere
 
     def add_request(
         self,

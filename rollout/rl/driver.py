@@ -80,7 +80,7 @@ class EngineDriver:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self.cv:
             if self._error is not None:
-                raise RuntimeError("rollout thread failed") from self._error
+                raise RuntimeError(f"rollout thread failed: {self._error}") from self._error
             self._commands.append((fn, fut))
             self.cv.notify_all()
         self.engine.wake()  # a cluster engine blocks in step() waiting for records
@@ -115,7 +115,7 @@ class EngineDriver:
             if not done() and self.suspended:
                 raise RuntimeError("RolloutManager is suspended: call resume() before generating")
             if self._error is not None:
-                raise RuntimeError("rollout thread failed") from self._error
+                raise RuntimeError(f"rollout thread failed: {self._error}") from self._error
             if self.closed:
                 raise RuntimeError("RolloutManager closed while waiting")
             if not ok:

@@ -25,7 +25,10 @@ re-sampled (`"regenerate"`). Both are counted in `stats()`.
 
 A request that fails (refused by the engine, lost with its engine, or caught in an engine step
 that raised) becomes a failed sample (`Sample.failed`, `Sample.error`), counted under
-`rollout/samples_failed` and logged; generation goes on.
+`rollout/samples_failed` and logged; generation goes on. A batch in which more than
+`max_failed_fraction` of the samples failed raises `BatchFailed` naming the reasons
+(`rollout.rl.batch_health`), and an engine gone for good (dp > 1: the coordinator process died)
+raises `EngineLost` from the call that waits on it, at once.
 
 Multi-turn: `collect(..., env=factory)` and `generate(..., env=factory)` run one episode per
 sample (`rollout.rl.episodes`): each source item is an example the environment starts from, and
@@ -58,10 +61,11 @@ from torch import nn
 
 from rollout.engine.config import InferenceConfig
 from rollout.engine.engine import DynamicInferenceEngine
-from rollout.engine.interface import EngineProtocol
+from rollout.engine.interface import EngineLost, EngineProtocol
 from rollout.metrics import staleness_summary
 from rollout.protocol import SUSPEND_MODES
 from rollout.request import DynamicInferenceRequest
+from rollout.rl.batch_health import check_batch
 from rollout.rl.driver import EngineDriver
 from rollout.rl.environment import EnvFactory
 from rollout.rl.episodes import EpisodeLimits, EpisodeRecord, EpisodeRunner
@@ -113,6 +117,8 @@ class RolloutManagerConfig:
     # Behaviour log-probs of every request: processed = log_softmax(logits / T), what was
     # sampled from (TRL/veRL's convention: the IS ratio is exact at T != 1); raw = T 1.
     logprobs_mode: str = "processed"
+    # a batch with more failed samples than this fraction raises BatchFailed (1.0: never)
+    max_failed_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         if self.logprobs_mode not in LOGPROBS_MODES:
@@ -147,6 +153,9 @@ class RolloutManagerConfig:
             raise ValueError("max_turns must be a positive int, got None")
         if self.env_timeout_s <= 0:
             raise ValueError(f"env_timeout_s must be > 0, got {self.env_timeout_s!r}")
+        frac = self.max_failed_fraction
+        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 <= frac <= 1:
+            raise ValueError(f"max_failed_fraction must be a number in [0, 1], got {frac!r}")
 
 
 class RolloutManager:
@@ -333,6 +342,7 @@ class RolloutManager:
             )
         )
         self._last.update(filter_.metrics())
+        check_batch(batch, self.config.max_failed_fraction)
         return batch
 
     def suspend(self) -> int:
@@ -539,6 +549,8 @@ class RolloutManager:
         self._requests[rid] = _Slot(prompt, deliver)
         try:
             self.engine.add_request(rid, prompt, sp, routing_key=routing_key)
+        except EngineLost:
+            raise
         except Exception as e:  # refused (bad prompt or parameters): this sample fails alone
             self._on_request(self._failed_request(rid, e))
         return rid
@@ -594,6 +606,8 @@ class RolloutManager:
     def _step(self) -> None:
         try:
             out = self.engine.step()
+        except EngineLost:
+            raise  # nothing will come back: the caller hears it now (colocated: from collect)
         except Exception as e:  # no request explains it: fail the in-flight ones, keep going
             self._on_step_error(e)
             return

@@ -31,11 +31,13 @@ import torch
 from torch import nn
 
 from rollout.engine.config import InferenceConfig
+from rollout.engine.interface import EngineLost
 from rollout.serving.auth import resolve_token
 from rollout.serving.client import InferenceClient
 from rollout.serving.coordinator import DataParallelInferenceCoordinator
 from rollout.serving.event_loop import EventLoopManager
 from rollout.serving.factory import build_engine, model_source_kwargs
+from rollout.serving.process_watch import ProcessWatch
 from rollout.serving.processes import stop_processes
 from rollout.serving.supervisor import EngineSupervisor, Event, RestartPolicy
 from rollout.serving.weight_updates import WeightUpdates
@@ -133,6 +135,12 @@ class EngineCluster:
         self.loop = loop or EventLoopManager()
         self._owns_loop = loop is None
         self.coordinator_process: mp.Process | None = None
+        # Why the spawned coordinator is gone (None while it lives): seen at once through its
+        # sentinel (`ProcessWatch`); every call fails with it from then on, and `lost_callbacks`
+        # are told (a ClusterEngine stops waiting for records)
+        self.lost: str | None = None
+        self.lost_callbacks: list[Callable[[], None]] = []
+        self._coordinator_watch: ProcessWatch | None = None
         self.engine_processes: list[mp.Process] = []
         self.address: str | None = None
         self.client: InferenceClient | None = None
@@ -178,7 +186,23 @@ class EngineCluster:
         self.coordinator_process, self.address, self.auth_token = (
             DataParallelInferenceCoordinator.spawn(30.0, **self.coordinator_config)
         )
+        self._coordinator_watch = ProcessWatch(self.coordinator_process, self._coordinator_died)
+        self._coordinator_watch.start()
         return self.address
+
+    def _coordinator_died(self, exitcode: int | None) -> None:
+        """The coordinator process exited while the cluster is open: its engines are out of
+        reach and its requests lost. Everything waiting on it fails now, with this reason."""
+        self.lost = (f"the coordinator process (pid {self.coordinator_process.pid}) died with "
+                     f"exit code {exitcode}: its engines are unreachable and the requests in "
+                     f"flight are lost; close this cluster and start a new one")  # fmt: skip
+        log.error("%s", self.lost)
+        client = self.client
+        if client is not None and self.loop.running:  # pending futures fail now, not at the
+            self.loop.loop.call_soon_threadsafe(client.stop)  # client's heartbeat timeout
+        self.event("coordinator_lost", -1, {"exitcode": exitcode})
+        for wake in list(self.lost_callbacks):
+            wake()
 
     def _trainer_sync(self) -> TrainerWeightSync:
         device = torch.device(self.factory_kwargs.get("device") or "cpu")
@@ -227,8 +251,11 @@ class EngineCluster:
         """build_engine kwargs for the weights the engines serve now."""
         if self.snapshot is not None:
             return self.snapshot.engine_kwargs()
-        if self.sync is None:  # versions are labels only: take the coordinator's
-            return {"weight_version": int(self.stats()["weight_version"])}
+        stats = self.stats()
+        if self.sync is None and not stats["weights_managed"]:  # versions are labels only
+            return {"weight_version": int(stats["weight_version"])}
+        # a trainer pushes weights (`rollout serve`): the checkpoint's weights under its own
+        # version; the coordinator holds the engine until the trainer sends it the current ones
         return {}
 
     def supervise(self) -> EngineSupervisor:
@@ -284,7 +311,14 @@ class EngineCluster:
             out = make()
             return await out if asyncio.isfuture(out) or asyncio.iscoroutine(out) else out
 
-        return self.loop.run_sync(run(), timeout)
+        if self.lost is not None:
+            raise EngineLost(self.lost)
+        try:
+            return self.loop.run_sync(run(), timeout)
+        except Exception as e:
+            if self.lost is not None:  # it failed because the coordinator died meanwhile
+                raise EngineLost(self.lost) from e
+            raise
 
     def stats(self) -> dict:
         return self.call(lambda: self.client.stats(), 30.0)
@@ -337,6 +371,8 @@ class EngineCluster:
             return
         self._closed = True
         atexit.unregister(self._atexit)
+        if self._coordinator_watch is not None:  # stopping it now is no death
+            self._coordinator_watch.stop()
         self.weights.stop(timeout_s)
         if self.supervisor is not None:
             self.supervisor.stop(timeout_s)
@@ -354,6 +390,10 @@ class EngineCluster:
             with contextlib.suppress(Exception):
                 self.call(lambda: self.client.stop(), timeout_s / 2)
         self.client = None
+        if self.lost is not None:  # no coordinator to tell the engines to stop: SIGTERM now
+            for p in self.engine_processes:
+                if p.is_alive():
+                    p.terminate()
         stop_processes(self.processes, timeout_s)
         if self.sync is not None:
             self.sync.close()

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from rollout.engine.interface import StepOutput
+from rollout.engine.interface import EngineLost, StepOutput
 from rollout.request import DynamicInferenceRequestRecord
 from rollout.sampling import SamplingParams
 from rollout.serving.cluster import EngineCluster
@@ -27,6 +27,7 @@ class ClusterEngine:
     Per-token weight versions are stamped by the engines themselves; prefix caches and their
     evictions are the engines' and the coordinator's business (`pop_evicted_hashes` is empty).
     `tokenizer` is the engines' (text prompts are tokenized in the engine processes).
+    When the cluster's coordinator dies, `step()` and `add_request()` raise `EngineLost` at once.
     """
 
     model = None  # weights live in other processes; they validate every update themselves
@@ -44,6 +45,7 @@ class ClusterEngine:
         self._discarded: set[int] = set()  # their records are dropped when they come back
         self.last_sync: dict[int, dict] = {}
         self.client_request_ids: dict[int, int] = {}  # ours -> the client's (schedule logs)
+        cluster.lost_callbacks.append(self.wake)  # a step waiting for records hears it at once
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -56,6 +58,8 @@ class ClusterEngine:
         precomputed_block_hashes: Sequence[int] | None = None,  # the coordinator hashes
         routing_key: str | None = None,
     ) -> int:
+        if self.cluster.lost is not None:
+            raise EngineLost(self.cluster.lost)
         if record is not None:
             raise ValueError("a ClusterEngine cannot resume a record: the coordinator moves "
                              "requests between its engines itself")  # fmt: skip
@@ -112,11 +116,15 @@ class ClusterEngine:
         self._results.put((None, _WAKE))
 
     def step(self) -> StepOutput:
+        if self.cluster.lost is not None:
+            raise EngineLost(self.cluster.lost)
         items = []
         with contextlib.suppress(queue.Empty):
             items.append(self._results.get(timeout=self.step_timeout_s))
             while True:
                 items.append(self._results.get_nowait())
+        if self.cluster.lost is not None:  # what came back is the coordinator's death
+            raise EngineLost(self.cluster.lost)
         finished = []
         for rid, res in items:
             if res is _WAKE:

@@ -6,6 +6,8 @@ retired after a weight update it missed, restarts at once (it did nothing wrong)
 is a crash: it restarts after `backoff_s * 2**k` (k = its restarts within the last `window_s`,
 capped at `backoff_max_s`), unless it already restarted `max_restarts` times within `window_s`:
 then it stays down, and the supervisor reports it as given up (the others keep serving).
+One the coordinator refused (`EXIT_REFUSED`: another model than the service's) is given up at
+once: the same process would be refused again.
 The callback that builds the new process decides what it loads (the cluster's latest weights).
 """
 
@@ -21,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rollout.serving.worker import EXIT_STALE_WEIGHTS
+from rollout.serving.worker import EXIT_REFUSED, EXIT_STALE_WEIGHTS
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +186,7 @@ class EngineSupervisor:
                 return
             history = self._history[rank]
             history[:] = [t for t in history if now - t < self.policy.window_s]
-            if len(history) >= self.policy.max_restarts:
+            if len(history) >= self.policy.max_restarts or code == EXIT_REFUSED:
                 self.gave_up.add(rank)
             else:
                 self._due[rank] = now + self.policy.delay(len(history))

@@ -58,6 +58,7 @@ from rollout.protocol import (
 from rollout.request import DynamicInferenceRequestRecord
 from rollout.sampling import SamplingParams
 from rollout.serving.gc_tuning import freeze_startup_heap
+from rollout.serving.model_identity import model_identity
 from rollout.serving.processes import exit_on_signal, spawn_child
 from rollout.serving.replies import ROW_OVERHEAD, failed_record, frame_bounds, record_bytes
 from rollout.serving.resume import resume_record
@@ -69,7 +70,8 @@ log = logging.getLogger(__name__)
 
 # Process exit codes a supervisor tells apart: 0 = told to stop; anything else = restart.
 EXIT_STALE_WEIGHTS = 3  # its weights are older than the committed ones: restart from current
-EXIT_COORDINATOR_LOST = 4  # the coordinator went silent or refused it
+EXIT_COORDINATOR_LOST = 4  # the coordinator went silent
+EXIT_REFUSED = 5  # the coordinator refused it (another model, a bad token): a restart cannot help
 # While receiving weights: how often to look for the trainer's abort of the transfer (a member
 # died in it; the trainer then retries without it). The store has no push, hence a timer.
 ABORT_CHECK_S = 0.2
@@ -129,6 +131,7 @@ class EngineWorker:
         self._next_hb = 0.0
         self.sync = (EngineWeightSync(engine, weight_sync, weight_key(auth_token))
                      if weight_sync else None)  # fmt: skip
+        self.model_identity = model_identity(engine)
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -137,6 +140,10 @@ class EngineWorker:
 
         Only an ERROR that answers ENGINE_REGISTER is a refusal: others are replies to frames
         sent before this registration (a frozen worker's heartbeats and acks) and are stale.
+        The registration names the model (a misfit is refused) and whether the version is only
+        a label: outside a weight-sync group the weights are the checkpoint's, whatever the
+        label says, so once a trainer pushes weights the coordinator holds such an engine until
+        it has received them.
         """
         self._send(
             Headers.ENGINE_REGISTER,
@@ -145,6 +152,8 @@ class EngineWorker:
             self.weight_version,
             self.auth_token,
             self.block_size,
+            self.model_identity,
+            self.sync is None,
         )
         deadline = time.monotonic() + self.register_timeout_s
         while True:
@@ -458,7 +467,10 @@ class EngineWorker:
         except StaleWeights as e:
             log.warning("%s", e)
             raise SystemExit(EXIT_STALE_WEIGHTS) from None
-        except (ConnectionError, PermissionError) as e:
+        except PermissionError as e:
+            log.error("%s", e)
+            raise SystemExit(EXIT_REFUSED) from None
+        except ConnectionError as e:
             log.error("%s", e)
             raise SystemExit(EXIT_COORDINATOR_LOST) from None
         raise SystemExit(worker.exit_code)

@@ -41,6 +41,7 @@ from rollout.serving.coordinator.requests import RequestPath
 from rollout.serving.coordinator.routing import Router
 from rollout.serving.coordinator.state import CoordinatorState, InvalidTransition, next_state
 from rollout.serving.gc_tuning import freeze_startup_heap
+from rollout.serving.model_identity import refusal, summary
 from rollout.serving.processes import exit_on_signal, spawn_child
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,9 @@ class DataParallelInferenceCoordinator:
         # True once a trainer pushes weights (a SET_WEIGHT_VERSION with a rendezvous): engines
         # that register with another version are held out of routing until they have them.
         self.weights_managed = False
+        # The service's model (rollout.serving.model_identity): the first engine's; an engine
+        # that registers with another is refused, so it never blocks the others' updates.
+        self.model: dict | None = None
         self.engines: dict[bytes, EnginePeer] = {}
         self.clients: dict[bytes, ClientPeer] = {}
         self.requests: dict[int, Pending] = {}
@@ -337,8 +341,14 @@ class DataParallelInferenceCoordinator:
         )
 
     def _on_register(self, identity: bytes, fields: list) -> None:
-        rank, capacity, version, token, block_size = fields
+        rank, capacity, version, token, block_size, model, version_is_label = fields
         if not self._auth_ok(identity, Headers.ENGINE_REGISTER, token):
+            return
+        misfit = refusal(model, self.model)
+        if misfit is not None:
+            self.counters["engines_refused_model"] += 1
+            log.warning("engine rank %d refused: %s", rank, misfit)
+            self._error(identity, Headers.ENGINE_REGISTER, None, misfit)
             return
         if rank < 0 or capacity < 0 or block_size < 1:
             self._error(
@@ -355,7 +365,13 @@ class DataParallelInferenceCoordinator:
         engine = EnginePeer(identity, self._next_peer, rank, capacity, version, block_size, 0.0)
         engine.last_seen = time.monotonic()
         self.engines[identity] = engine
-        engine.syncing = self.weights_managed and version != self.weight_version
+        if self.model is None:
+            self.model = model
+            log.info("service model: %s", summary(model))
+        # a label on checkpoint weights says nothing once a trainer pushes weights
+        engine.syncing = self.weights_managed and (
+            version_is_label or version != self.weight_version
+        )
         if engine.syncing:
             self.counters["engines_held_for_weights"] += 1
         else:
@@ -434,6 +450,7 @@ class DataParallelInferenceCoordinator:
             client_control_id=cid,
             signal=header,
             waiting={e.identity for e in live},
+            carries_weights=header is Headers.SET_WEIGHT_VERSION and fields[2] is not None,
         )
         self.controls[seq] = pc
         frame = encode(header, seq, *fields[1:])
@@ -451,8 +468,10 @@ class DataParallelInferenceCoordinator:
         pc.info[engine.rank] = info
         if pc.signal is Headers.SET_WEIGHT_VERSION:
             v = info.get("weight_version")
-            engine.weight_version = v if type(v) is int else engine.weight_version
-            if engine.syncing and v == self.weight_version and engine.identity in self.engines:
+            if type(v) is int and (pc.carries_weights or not engine.syncing):
+                engine.weight_version = v
+            received = pc.carries_weights and info.get("member") is not False  # the weights,
+            if engine.syncing and received and v == self.weight_version:  # never a label alone
                 self._admit_synced(engine)
         elif pc.signal is Headers.STOP:
             engine.stopped = True
@@ -516,6 +535,8 @@ class DataParallelInferenceCoordinator:
             "state": self.state.value,
             "policy": self.config.policy,
             "weight_version": self.weight_version,
+            "weights_managed": self.weights_managed,
+            "model": self.model,
             "counters": dict(self.counters),
             "engines": engines,
             "clients": len(self.clients),

@@ -70,3 +70,4 @@ class PendingControl:
     signal: Headers
     waiting: set[bytes]
     info: dict = field(default_factory=dict)
+    carries_weights: bool = False  # a SET_WEIGHT_VERSION with a rendezvous: weights, not a label
