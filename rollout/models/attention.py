@@ -25,6 +25,10 @@ Prefill chunks (query length > 1) run one SDPA call each: without earlier contex
 own K/V are used as they are (causal kernel, no cache read); with context, the pool slice or
 a gather and a [q, ctx] mask. On CPU the kernel maps query heads to K/V heads itself
 (`enable_gqa`), which beat repeating K/V over the group (CUDA keeps the repeat).
+
+With `PagedAttentionMetadata.backend == "flex"` the plan is a rollout.models.flex_attention
+plan instead (one FlexAttention call for all prefill chunks, one for all decode rows) and
+`paged_attention` runs that; the metadata, the cache layout and the call sites stay the same.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rollout.models import flex_attention as flex
 from rollout.models.cascade import (
     SharedPrefixBatch,
     SharedPrefixView,
@@ -53,6 +58,7 @@ class PagedAttentionMetadata:
     block_tables: [B, max_blocks] physical block ids per sequence, padded with 0.
     slot_mapping: [N] cache slot (block_id * block_size + offset) of each new token.
     The optional python copies let CPU-side planning skip device->host syncs.
+    backend: "torch" (this module's plain-torch paths) or "flex" (rollout.models.flex_attention).
     """
 
     cu_seqlens_q: torch.Tensor
@@ -62,6 +68,7 @@ class PagedAttentionMetadata:
     query_lens_list: list[int] | None = None
     context_lens_list: list[int] | None = None
     block_tables_list: list[list[int]] | None = None
+    backend: str = "torch"
 
     @property
     def num_seqs(self) -> int:
@@ -75,6 +82,7 @@ class PagedAttentionMetadata:
         block_tables: Sequence[Sequence[int]],
         block_size: int,
         device: torch.device | str | None = None,
+        backend: str = "torch",
     ) -> PagedAttentionMetadata:
         """Build from python lists; slots follow from positions `ctx - q_len .. ctx - 1`."""
         if not (len(query_lens) == len(context_lens) == len(block_tables)):
@@ -113,6 +121,7 @@ class PagedAttentionMetadata:
             query_lens_list=list(query_lens),
             context_lens_list=list(context_lens),
             block_tables_list=[list(t) for t in block_tables],
+            backend=backend,
         )
 
 
@@ -222,6 +231,15 @@ class AttentionPlan:
     ) -> None:
         """num_blocks: the pool size, which lets CPU decode read shared prefixes in place."""
         r = _rows_of(meta, block_size, num_tokens)
+        self.flex: flex.FlexPlan | None = None
+        if meta.backend == "flex":
+            if num_blocks is None:
+                raise ValueError("the flex attention backend needs the pool size (num_blocks)")
+            self.flex = flex.plan_flex(r.q_lens, r.ctx, r.starts, r.tables, block_size,
+                                       num_blocks, meta.slot_mapping)  # fmt: skip
+            return
+        if meta.backend != "torch":
+            raise ValueError(f"unknown attention backend {meta.backend!r} (torch or flex)")
         device = meta.block_tables.device
         zero_copy = device.type == "cpu"  # read contiguous runs of the pool in place
         self.slot_mapping = meta.slot_mapping.to(torch.long)
@@ -311,6 +329,25 @@ class StaticDecodePlan:
     slot_mapping: torch.Tensor  # [B] cache slot of each row's new token
     block_tables: torch.Tensor  # [B, blocks] (padding entries point at any valid block)
     context_lens: torch.Tensor  # [B] tokens of context after this step, new token included
+    flex_mask: flex.BlockMask | None = None  # set: the flex backend's decode (static_flex_plan)
+    flex_compiled: bool = False
+
+
+def static_flex_plan(
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    pool_blocks: int,
+    block_size: int,
+) -> StaticDecodePlan:
+    """A StaticDecodePlan for the flex backend: its block mask is built on the device from the
+    plan's tensors alone (no host work, so a CUDA graph captures it with the step). The table
+    width only bounds the block lists, so any width holding every row's blocks serves."""
+    nblocks = (context_lens + block_size - 1) // block_size
+    p2l = flex.physical_to_logical(block_tables, nblocks, pool_blocks)
+    mask = flex.decode_block_mask(block_tables, context_lens, p2l, block_size, pool_blocks)
+    compiled = block_tables.device.type == "cuda" or flex.COMPILE_ON_CPU
+    return StaticDecodePlan(slot_mapping, block_tables, context_lens, mask, compiled)
 
 
 def static_decode_attention(
@@ -325,6 +362,9 @@ def static_decode_attention(
     """One decode token per row, q [B, H, D], k/v [B, KVH, D] -> [B, H, D]: write the new K/V,
     then one padded SDPA call over whole gathered blocks (the GQA group folded into the query
     axis), as the batched path does but with shapes fixed by the plan alone."""
+    if plan.flex_mask is not None:
+        flex.write_kv(k, v, k_cache, v_cache, plan.slot_mapping)
+        return flex.decode_attention(q, k_cache, v_cache, plan.flex_mask, scale, plan.flex_compiled)
     batch, heads, dim = q.shape
     kvh = k.shape[1]
     k_cache.view(-1, kvh, dim).index_copy_(0, plan.slot_mapping, k.to(k_cache.dtype))
@@ -354,6 +394,8 @@ def paged_attention(
     """
     if isinstance(plan, StaticDecodePlan):
         return static_decode_attention(q, k, v, k_cache, v_cache, plan, scale)
+    if plan.flex is not None:
+        return flex.flex_paged_attention(q, k, v, k_cache, v_cache, plan.flex, scale)
     _, heads, dim = q.shape
     kvh = k.shape[1]
     group = heads // kvh
