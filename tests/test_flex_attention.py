@@ -129,12 +129,17 @@ def _check_block_lists(block_mask, dense: torch.Tensor, bs: int) -> None:
             assert set(visible) <= set(full) | set(part)
 
 
-def test_block_lists_cover_exactly_what_the_mask_allows():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager_tiles", "compiled_tiles"])
+def test_block_lists_cover_exactly_what_the_mask_allows(compiled):
+    """Checked for the compiled plan too (its 128-row query tiles), which CPU tests cannot run."""
     bs, pool = 4, 96
     q_lens, ctx, tables = _scenario(bs, pool, seed=7)
     meta = PagedAttentionMetadata.from_lists(q_lens, ctx, tables, bs, backend="flex")
-    plan = AttentionPlan(meta, bs, sum(q_lens), pool).flex
+    starts = meta.cu_seqlens_q.tolist()
+    plan = flex.plan_flex(q_lens, ctx, starts, tables, bs, pool, meta.slot_mapping, compiled)
+    assert plan.compiled is compiled
     p, d = plan.prefill, plan.decode
+    assert p.block_mask.BLOCK_SIZE[0] == (flex.Q_TILE if compiled else flex.EAGER_Q_TILE)
     dense = _dense(p.block_mask.mask_mod, 1, p.gather.numel(), pool * bs)
     _check_block_lists(p.block_mask, dense, bs)
     batch = d.block_mask.kv_num_blocks.shape[0]

@@ -13,7 +13,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from rollout.engine.config import KV_POLICIES
+from rollout.engine.config import ATTENTION_BACKENDS, KV_POLICIES
 from rollout.protocol import SUSPEND_MODES
 from rollout.sampling import LOGPROBS_MODES
 from rollout.serving.coordinator.routing import POLICIES
@@ -41,6 +41,7 @@ WandbMode = _enum("WandbMode", "offline", "online", "disabled")
 WeightsSnapshot = _enum("WeightsSnapshot", "memory", "disk")
 WeightSyncTransport = _enum("WeightSyncTransport", "auto", "broadcast", "ipc")
 LogprobsMode = _enum("LogprobsMode", *LOGPROBS_MODES)
+AttentionBackend = _enum("AttentionBackend", *ATTENTION_BACKENDS)
 
 
 class ConfigError(ValueError):
@@ -77,6 +78,8 @@ class EngineCfg:
     suspend_mode: SuspendMode = SuspendMode.recompute
     streaming_interval: int = 0
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA only)
+    # paged attention: torch (CPU-tuned), flex (FlexAttention kernels), auto (flex on CUDA)
+    attention_backend: AttentionBackend = AttentionBackend.auto
 
 
 @dataclass

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 KV_POLICIES = ("recompute", "keep")
+ATTENTION_BACKENDS = ("auto", "torch", "flex")
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -49,8 +50,11 @@ class InferenceConfig:
     "recompute" re-prefills under the new weights, "keep" reuses the old KV (its staleness
     counts). streaming_interval is the number of new tokens between partial outputs (0 = off).
     cuda_graphs replays decode steps from CUDA graphs on a CUDA device (rollout.engine.cuda_graphs;
-    ignored elsewhere); turn it off to debug or profile the eager path. device/dtype None mean
-    "the model's".
+    ignored elsewhere); turn it off to debug or profile the eager path. attention_backend picks
+    the paged attention: "torch" (rollout.models.attention, tuned for CPU), "flex" (PyTorch's
+    FlexAttention, rollout.models.flex_attention: compiled kernels on CUDA, eager and slow on
+    CPU) or "auto" (flex on CUDA when this torch has it, else torch); `resolve_attention_backend`
+    decides. device/dtype None mean "the model's".
     """
 
     block_size: int = 16
@@ -64,6 +68,7 @@ class InferenceConfig:
     kv_policy: str = "recompute"
     streaming_interval: int = 0
     cuda_graphs: bool = True
+    attention_backend: str = "auto"
     device: str | None = None
     dtype: str | None = None
 
@@ -87,6 +92,11 @@ class InferenceConfig:
             raise ValueError(
                 f"InferenceConfig.kv_policy must be one of {KV_POLICIES}, got {self.kv_policy!r}"
             )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"InferenceConfig.attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
         if self.max_tokens_per_step < self.max_requests:
             raise ValueError(
                 f"InferenceConfig.max_tokens_per_step ({self.max_tokens_per_step}) must be >= "
@@ -104,6 +114,26 @@ class InferenceConfig:
     @property
     def torch_dtype(self) -> torch.dtype | None:
         return resolve_dtype(self.dtype)
+
+    def resolve_attention_backend(self, device: torch.device) -> str:
+        """ "torch" or "flex" on `device`; ValueError when flex was asked for and cannot run."""
+        from rollout.models.flex_attention import flex_available
+
+        backend = self.attention_backend
+        if backend == "auto":
+            return "flex" if device.type == "cuda" and flex_available() else "torch"
+        if backend == "flex":
+            if not flex_available():
+                raise ValueError(
+                    "InferenceConfig.attention_backend='flex' needs torch.nn.attention."
+                    f"flex_attention, which torch {torch.__version__} lacks"
+                )
+            if device.type == "cuda" and self.block_size % 16:
+                raise ValueError(
+                    f"InferenceConfig.attention_backend='flex' on CUDA needs block_size a "
+                    f"multiple of 16 (the kernels' key tile), got {self.block_size}"
+                )
+        return backend
 
     def resolve_num_blocks(self, bytes_per_block: int) -> int:
         """num_blocks, or as many blocks as kv_cache_memory_bytes holds, capped at what

@@ -19,6 +19,10 @@ Graphs hold the KV pool's address: suspend (offload, recompute) and resume re-al
 engine drops the graphs on suspend (their pool goes back to the driver with the KV) and they are
 captured again as steps need them. Weight updates copy in place and keep them valid.
 
+With the flex attention backend the step's block mask is built on the device from the same
+static buffers inside the graph, from the tables' full width (the width bucket then only bounds
+the staged copy, and the compiled kernel sees one shape per batch size).
+
 With `capture=False` the same static-shape forward runs eagerly (CPU tests check it against the
 regular path; nothing else about a graph can be checked without a GPU).
 """
@@ -32,7 +36,7 @@ import torch
 from torch import nn
 
 from rollout.engine.config import InferenceConfig
-from rollout.models.attention import StaticDecodePlan
+from rollout.models.attention import StaticDecodePlan, static_flex_plan
 
 SMALL_BATCHES = (1, 2, 4, 8)
 BATCH_STEP = 16
@@ -60,9 +64,10 @@ class DecodeGraphs:
 
     def __init__(
         self, model: nn.Module, max_batch: int, max_blocks: int, device: torch.device,
-        capture: bool = True,
+        capture: bool = True, attention_backend: str = "torch",
     ) -> None:  # fmt: skip
         self.model, self.device, self.capture = model, device, capture
+        self.attention_backend = attention_backend
         self.batches, self.widths = batch_buckets(max_batch), width_buckets(max_blocks)
         self.max_batch, self.max_blocks = max_batch, max_blocks
         rows = self.batches[-1]
@@ -78,8 +83,9 @@ class DecodeGraphs:
 
     @classmethod
     def for_engine(
-        cls, model: nn.Module, config: InferenceConfig, device: torch.device
-    ) -> DecodeGraphs | None:
+        cls, model: nn.Module, config: InferenceConfig, device: torch.device,
+        attention_backend: str = "torch",
+    ) -> DecodeGraphs | None:  # fmt: skip
         """An engine's graphs: None unless `config.cuda_graphs`, a CUDA device and a model with
         `forward_static_decode`."""
         if not (config.cuda_graphs and device.type == "cuda"):
@@ -87,7 +93,8 @@ class DecodeGraphs:
         if not hasattr(model, "forward_static_decode"):
             return None
         max_blocks = -(-config.max_sequence_length // config.block_size)
-        return cls(model, config.max_requests, max_blocks, device)
+        return cls(model, config.max_requests, max_blocks, device,
+                   attention_backend=attention_backend)  # fmt: skip
 
     def accepts(self, num_rows: int, widest_table: int) -> bool:
         return 0 < num_rows <= self.max_batch and widest_table <= self.max_blocks
@@ -127,11 +134,17 @@ class DecodeGraphs:
         self._pool = self._logits = None
         self._kv_ptr = 0
 
-    def _views(self, batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor, StaticDecodePlan]:
+    def _views(
+        self, batch: int, width: int, kv_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, StaticDecodePlan]:
         rows = self.batches[-1]
         cols = self._dev[: 4 * rows].view(4, rows)
-        tables = self._dev[4 * rows :].view(rows, self.max_blocks)[:batch, :width]
-        plan = StaticDecodePlan(cols[2, :batch], tables, cols[3, :batch])
+        grid = self._dev[4 * rows :].view(rows, self.max_blocks)[:batch]
+        if self.attention_backend == "flex":  # entries past `width` are stale but never read
+            plan = static_flex_plan(cols[2, :batch], grid, cols[3, :batch], kv_cache.shape[2],
+                                    kv_cache.shape[3])  # fmt: skip
+        else:
+            plan = StaticDecodePlan(cols[2, :batch], grid[:, :width], cols[3, :batch])
         return cols[0, :batch], cols[1, :batch], plan
 
     def _stage(self, batch: int, width: int, columns: list[Sequence[int]],
@@ -147,7 +160,7 @@ class DecodeGraphs:
         self._dev[:used].copy_(self._host[:used], non_blocking=True)
 
     def _forward(self, batch: int, width: int, kv_cache: torch.Tensor) -> torch.Tensor:
-        ids, positions, plan = self._views(batch, width)
+        ids, positions, plan = self._views(batch, width, kv_cache)
         hidden = self.model.forward_static_decode(ids, positions, plan, kv_cache)
         return self.model.compute_logits(hidden)
 

@@ -97,7 +97,9 @@ class DynamicInferenceEngine:
         if param.device != device or param.dtype != dtype:
             model.to(device=device, dtype=dtype)
         self.model = model.eval()
-        self.runner = ModelRunner(self.model, DecodeGraphs.for_engine(self.model, config, device))
+        backend = config.resolve_attention_backend(device)
+        graphs = DecodeGraphs.for_engine(self.model, config, device, backend)
+        self.runner = ModelRunner(self.model, graphs, attention_backend=backend)
         self.tokenizer = tokenizer
         self.device, self.dtype = device, dtype
         self.vocab_size = int(self.model_config.vocab_size)

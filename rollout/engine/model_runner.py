@@ -48,9 +48,12 @@ class PreparedBatch:
         """One token per row, every row samples, no prompt log-probs: logits rows = rows."""
         return len(self.tokens) == len(self.query_lens) == len(self.samplers) and not self.prompt_lp
 
-    def to_device(self) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionMetadata]:
+    def to_device(
+        self, attention_backend: str = "torch"
+    ) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionMetadata]:
         meta = PagedAttentionMetadata.from_lists(self.query_lens, self.context_lens,
-                                                 self.block_tables, self.block_size, self.device)  # fmt: skip
+                                                 self.block_tables, self.block_size, self.device,
+                                                 backend=attention_backend)  # fmt: skip
         ids = torch.tensor(self.tokens, dtype=torch.int64, device=self.device)
         positions = torch.tensor(self.positions, dtype=torch.int64, device=self.device)
         return ids, positions, meta
@@ -92,11 +95,15 @@ def prepare_batch(
 
 class ModelRunner:
     """Runs `model` (rollout.models.DecoderLM or compatible) over prepared batches; pure-decode
-    steps go through `graphs` (rollout.engine.cuda_graphs) when the engine set it."""
+    steps go through `graphs` (rollout.engine.cuda_graphs) when the engine set it. Attention
+    runs on `attention_backend` ("torch" or "flex", InferenceConfig.resolve_attention_backend)."""
 
-    def __init__(self, model: nn.Module, graphs: DecodeGraphs | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, graphs: DecodeGraphs | None = None, attention_backend: str = "torch"
+    ) -> None:
         self.model = model
         self.graphs = graphs
+        self.attention_backend = attention_backend
 
     def logits(self, prep: PreparedBatch, kv_cache: torch.Tensor) -> torch.Tensor | None:
         """Logits [len(prep.logit_rows), V] in logit-row order (None when no row needs them);
@@ -114,7 +121,7 @@ class ModelRunner:
                 log.exception("CUDA graph decode failed; decoding eagerly from now on")
                 graphs.clear()
                 self.graphs = None
-        input_ids, positions, meta = prep.to_device()
+        input_ids, positions, meta = prep.to_device(self.attention_backend)
         hidden = self.model.forward_paged(input_ids, positions, meta, kv_cache)
         rows = prep.logit_rows
         if not rows:

@@ -43,7 +43,8 @@ try:
 except ImportError:  # an old torch: the flex backend is refused at engine start
     BlockMask = flex_attention = None  # type: ignore[assignment,misc]
 
-Q_TILE = 128  # query rows per block-mask tile: a multiple of the kernels' BLOCK_M
+Q_TILE = 128  # query rows per block-mask tile, compiled: a multiple of the kernels' BLOCK_M
+EAGER_Q_TILE = 16  # eager flex ignores the tiles: pad each chunk less
 COMPILE_ON_CPU = False  # compiled flex on CPU (inductor C++ template): slow to build, tests only
 
 
@@ -137,16 +138,22 @@ def _block_mask(
     kv_idx: torch.Tensor,
     full_num: torch.Tensor,
     full_idx: torch.Tensor,
-    block_size: int,
+    tile: tuple[int, int],
     mask_mod: Callable,
     q_len: int,
     kv_len: int,
 ) -> BlockMask:
-    """A BlockMask from [B, tiles] counts and [B, tiles, W] indices (one head dimension)."""
+    """A BlockMask from [B, tiles] counts and [B, tiles, W] indices (one head dimension);
+    tile = (query rows, keys) per block."""
     i32 = torch.int32
+    need = -(-kv_len // tile[1])
+    if kv_idx.device.type == "cpu" and kv_idx.shape[-1] < need:
+        # inductor's CPU template wants lists as wide as the keys (eager ignores the width)
+        kv_idx = torch.nn.functional.pad(kv_idx, (0, need - kv_idx.shape[-1]))
+        full_idx = torch.nn.functional.pad(full_idx, (0, need - full_idx.shape[-1]))
     return BlockMask.from_kv_blocks(
         kv_num[:, None].to(i32), kv_idx[:, None].to(i32), full_num[:, None].to(i32),
-        full_idx[:, None].to(i32), BLOCK_SIZE=(Q_TILE, block_size), mask_mod=mask_mod,
+        full_idx[:, None].to(i32), BLOCK_SIZE=tile, mask_mod=mask_mod,
         seq_lengths=(q_len, kv_len), compute_q_blocks=False,
     )  # fmt: skip
 
@@ -167,7 +174,7 @@ def decode_block_mask(
     mask = _paged_mask(p2l, tables, None, context_lens - 1, block_size, by_batch=True)
     ones = torch.ones_like(full)
     return _block_mask(ones[:, None], partial[:, None], full[:, None], tables[:, None],
-                       block_size, mask, 1, pool_blocks * block_size)  # fmt: skip
+                       (Q_TILE, block_size), mask, 1, pool_blocks * block_size)  # fmt: skip
 
 
 def _decode_part(
@@ -181,16 +188,16 @@ def _decode_part(
 
 def _prefill_part(
     starts: list[int], q_lens: list[int], ctx: list[int], tables: torch.Tensor,
-    p2l: torch.Tensor, block_size: int, pool_blocks: int, device: torch.device,
+    p2l: torch.Tensor, block_size: int, pool_blocks: int, device: torch.device, q_tile: int,
 ) -> FlexPrefill:  # fmt: skip
     """Pack the chunks tile by tile (host tensors, then one copy each to the device)."""
     q = torch.tensor(q_lens)
     c = torch.tensor(ctx)
     first_row = torch.tensor(starts)
-    tiles = -(-q // Q_TILE)
+    tiles = -(-q // q_tile)
     n = len(q_lens)
     # packed rows: sequence, offset in its chunk (padding rows repeat the chunk's last row)
-    padded = tiles * Q_TILE
+    padded = tiles * q_tile
     seq = torch.repeat_interleave(torch.arange(n), padded)
     offset = torch.arange(int(padded.sum())) - torch.repeat_interleave(
         padded.cumsum(0) - padded, padded
@@ -202,8 +209,8 @@ def _prefill_part(
     # tiles: blocks wholly before the first position are full, the rest up to the last partial
     tile_seq = torch.repeat_interleave(torch.arange(n), tiles)
     t = torch.arange(len(tile_seq)) - torch.repeat_interleave(tiles.cumsum(0) - tiles, tiles)
-    first = c[tile_seq] - q[tile_seq] + t * Q_TILE
-    last = torch.minimum(first + Q_TILE - 1, c[tile_seq] - 1)
+    first = c[tile_seq] - q[tile_seq] + t * q_tile
+    last = torch.minimum(first + q_tile - 1, c[tile_seq] - 1)
     full = (first + 1) // block_size
     part = last // block_size + 1 - full
     width = tables.shape[1]
@@ -214,7 +221,7 @@ def _prefill_part(
     tables_d, seq_d, pos_d = to(tables), to(seq), to(pos)
     mask = _paged_mask(p2l, tables_d, seq_d, pos_d, block_size, by_batch=False)
     block_mask = _block_mask(to(part)[None], to(partial)[None], to(full)[None], to(own)[None],
-                             block_size, mask, len(seq), pool_blocks * block_size)  # fmt: skip
+                             (q_tile, block_size), mask, len(seq), pool_blocks * block_size)  # fmt: skip
     return FlexPrefill(to(gather), to(real), to(gather[real]), block_mask)
 
 
@@ -226,11 +233,15 @@ def plan_flex(
     block_size: int,
     pool_blocks: int,
     slot_mapping: torch.Tensor,
+    compiled: bool | None = None,
 ) -> FlexPlan:
-    """The flex plan of one step (python lists in, as rollout.models.attention reads them)."""
+    """The flex plan of one step (python lists in, as rollout.models.attention reads them).
+    compiled: whether the kernels run compiled (None: on CUDA, or on CPU with COMPILE_ON_CPU)."""
     if not flex_available():
         raise RuntimeError("attention_backend='flex' needs torch.nn.attention.flex_attention")
     device = slot_mapping.device
+    if compiled is None:
+        compiled = device.type == "cuda" or COMPILE_ON_CPU
     width = max((len(t) for t in tables), default=1) or 1
     host = torch.tensor([list(t) + [0] * (width - len(t)) for t in tables],
                         dtype=torch.long).view(len(tables), width)  # fmt: skip
@@ -249,9 +260,9 @@ def plan_flex(
     if pre:
         prefill = _prefill_part([starts[i] for i in pre], [q_lens[i] for i in pre],
                                 [ctx[i] for i in pre], host[torch.tensor(pre)], p2l,
-                                block_size, pool_blocks, device)  # fmt: skip
-    compiled = device.type == "cuda" or COMPILE_ON_CPU
-    return FlexPlan(slot_mapping.long(), decode, prefill, compiled)
+                                block_size, pool_blocks, device,
+                                Q_TILE if compiled else EAGER_Q_TILE)  # fmt: skip
+    return FlexPlan(slot_mapping.long(), decode, prefill, bool(compiled))
 
 
 @functools.cache

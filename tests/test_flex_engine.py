@@ -1,0 +1,119 @@
+"""The engine on the flex attention backend: the no-cache reference's tokens and log-probs.
+
+On CPU flex_attention runs eagerly (the whole pool materialised per call), so the pools here
+are small. The compiled path (CUDA, with CUDA graphs) is the `cuda` test at the end.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import greedy, prompts_of, tiny_model
+
+from rollout.config import schema
+from rollout.engine import DynamicInferenceEngine, InferenceConfig
+from rollout.engine.cuda_graphs import DecodeGraphs
+from rollout.models import flex_attention as flex
+from rollout.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(not flex.flex_available(), reason="no FlexAttention")
+
+CFG = dict(block_size=4, num_blocks=96, max_requests=8, max_sequence_length=96,
+           max_tokens_per_step=32, attention_backend="flex")  # fmt: skip
+
+
+def _engine(model, **overrides) -> DynamicInferenceEngine:
+    return DynamicInferenceEngine(model, None, InferenceConfig(**{**CFG, **overrides}))
+
+
+def test_greedy_tokens_and_log_probs_equal_the_reference():
+    """Chunked prefill (32-token steps), prefix hits, GRPO samples sharing a prompt's blocks,
+    GQA: the reference's greedy tokens, and log-probs within 1e-5 in fp32."""
+    model = tiny_model(num_key_value_heads=2)
+    shared = prompts_of([21], seed=3)[0]
+    first = [shared, *prompts_of([3, 40, 9])]
+    hits = [shared, shared, [*shared, 7, 8]]
+    sp = SamplingParams(temperature=0.0, num_tokens_to_generate=6, ignore_eos=True,
+                        return_log_probs=True, return_prompt_log_probs=True)  # fmt: skip
+    eng = _engine(model)
+    assert eng.runner.attention_backend == "flex"
+    out = eng.generate(first, sp)  # prompt log-probs: every prompt position computed
+    out += eng.generate(hits, sp.replace(return_prompt_log_probs=False))
+    assert eng.stats()["tokens_reused"] >= 3 * 20
+    for i, (p, r) in enumerate(zip(first + hits, out, strict=True)):
+        assert r.generated_tokens == greedy(model, p, 6)
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([p + r.generated_tokens]))[0], -1)
+        n = len(p)
+        want = [float(logp[n - 1 + j, t]) for j, t in enumerate(r.generated_tokens)]
+        assert r.generated_log_probs == pytest.approx(want, abs=1e-5)
+        if i < len(first):
+            want_prompt = [float(logp[j, p[j + 1]]) for j in range(n - 1)]
+            assert r.prompt_log_probs == pytest.approx(want_prompt, abs=1e-5)
+    eng.blocks.check_invariants()
+
+
+def test_static_decode_path_with_flex_equals_the_torch_backend():
+    """The CUDA-graph forward run eagerly (padded rows and widths) on flex, sampled: the same
+    tokens and log-probs as the torch backend's regular path."""
+    model = tiny_model(num_key_value_heads=2)
+    prompts = prompts_of([5, 13, 30])
+    sp = SamplingParams(temperature=1.0, top_p=0.9, num_tokens_to_generate=8, seed=11,
+                        ignore_eos=True, return_log_probs=True)  # fmt: skip
+    eng = _engine(model)
+    max_blocks = -(-eng.config.max_sequence_length // eng.config.block_size)
+    eng.runner.graphs = DecodeGraphs(model, eng.config.max_requests, max_blocks,
+                                     torch.device("cpu"), capture=False,
+                                     attention_backend="flex")  # fmt: skip
+    got = eng.generate(prompts, sp)
+    assert eng.runner.graphs.counters["eager"] >= 5
+    want = _engine(model, attention_backend="torch").generate(prompts, sp)
+    for a, b in zip(got, want, strict=True):
+        assert a.generated_tokens == b.generated_tokens
+        assert a.generated_log_probs == pytest.approx(b.generated_log_probs, abs=1e-5)
+
+
+def test_backend_selection_and_refusals():
+    cpu = torch.device("cpu")
+    assert InferenceConfig().attention_backend == "auto"
+    assert InferenceConfig().resolve_attention_backend(cpu) == "torch"  # CPU keeps its path
+    assert InferenceConfig(attention_backend="flex").resolve_attention_backend(cpu) == "flex"
+    assert InferenceConfig().resolve_attention_backend(torch.device("cuda")) == "flex"
+    with pytest.raises(ValueError, match="attention_backend"):
+        InferenceConfig(attention_backend="triton")
+    with pytest.raises(ValueError, match="multiple of 16"):
+        InferenceConfig(attention_backend="flex", block_size=8).resolve_attention_backend(
+            torch.device("cuda")
+        )
+    assert schema.EngineCfg().attention_backend == "auto"
+
+
+def test_hydra_engine_group_sets_the_backend():
+    from rollout.config import builders, load_config
+
+    run = load_config(overrides=["engine.attention_backend=flex"])
+    assert builders.inference_config(run).attention_backend == "flex"
+    with pytest.raises(Exception, match="attention_backend"):
+        load_config(overrides=["engine.attention_backend=triton"])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_flex_on_cuda_equals_the_reference():
+    """Compiled kernels, CUDA graphs on: greedy tokens of the reference, and log-probs close to
+    the torch backend's (fp32: TF32 and another kernel's summation order)."""
+    model = tiny_model(num_key_value_heads=2).to("cuda")
+    shared = prompts_of([40], seed=3)[0]
+    prompts = [*prompts_of([3, 150, 9]), shared, shared, [*shared, 7, 8]]
+    sp = SamplingParams(temperature=0.0, num_tokens_to_generate=12, ignore_eos=True,
+                        return_log_probs=True)  # fmt: skip
+    cfg = dict(CFG, block_size=16, num_blocks=64, max_sequence_length=256, max_tokens_per_step=64)
+    eng = _engine(model, **cfg)
+    assert eng.runner.graphs is not None and eng.runner.graphs.attention_backend == "flex"
+    got = eng.generate(prompts, sp)
+    want = _engine(model, **{**cfg, "attention_backend": "torch"}).generate(prompts, sp)
+    cpu_model = model.to("cpu")
+    for p, a, b in zip(prompts, got, want, strict=True):
+        assert a.generated_tokens == greedy(cpu_model, p, 12)
+        assert a.generated_log_probs == pytest.approx(b.generated_log_probs, abs=1e-3)
+    assert eng.stats()["decode_graph_replays"] > 5
