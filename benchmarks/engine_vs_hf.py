@@ -49,7 +49,7 @@ def sync(device: torch.device) -> None:
 
 
 def run_ours(model, prompts, samples: int, new: int, greedy: bool, device, block_size: int,
-             cuda_graphs: bool = True):  # fmt: skip
+             cuda_graphs: bool = True, attention_backend: str = "auto"):  # fmt: skip
     n_req = len(prompts) * samples
     longest = max(map(len, prompts)) + new
     cfg = InferenceConfig(
@@ -60,6 +60,7 @@ def run_ours(model, prompts, samples: int, new: int, greedy: bool, device, block
         max_sequence_length=longest,
         enable_prefix_caching=True,
         cuda_graphs=cuda_graphs,
+        attention_backend=attention_backend,
     )
     eng = DynamicInferenceEngine(model, None, cfg)
     for i, p in enumerate(prompts):
@@ -78,7 +79,8 @@ def run_ours(model, prompts, samples: int, new: int, greedy: bool, device, block
     s = eng.stats()
     return {"seconds": dt, "cpu_seconds": cpu, "tokens": tokens, "tokens_per_s": tokens / dt,
             "tokens_per_cpu_s": tokens / cpu, "steps": s["steps"],
-            "tokens_computed": s["tokens_computed"], "tokens_reused": s["tokens_reused"]}  # fmt: skip
+            "tokens_computed": s["tokens_computed"], "tokens_reused": s["tokens_reused"],
+            "attention_backend": eng.runner.attention_backend}  # fmt: skip
 
 
 @torch.inference_mode()

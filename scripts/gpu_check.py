@@ -13,7 +13,7 @@ memory stage measures a clean device) under its own time budget:
                    a training-sized allocation fits only while suspended (CUDA; gpu_memory.py)
   ipc_weight_sync  rollout.weights.ipc.benchmark_ipc_sync: IPC handover vs a plain copy, s/GB
   throughput       engine tokens/s vs transformers generate(), benchmarks/engine_vs_hf.py's
-                   two workloads
+                   two workloads; on CUDA the torch attention backend beside the default (flex)
   decode_profile   one decode step under the torch profiler: wall vs device-busy ms, kernels
                    and host syncs per step, the top ops (gpu_profile.py)
   grpo_recipe      a short `python -m recipes.grpo_reverse` run (engine=gpu on CUDA), rewards
@@ -293,22 +293,35 @@ def stage_throughput(ctx: Ctx) -> None:
             # graph captures): otherwise the process's first timed run carries them.
             for graphs in (True, False):
                 bench.run_ours(model, prompts, k, 4, greedy, device, 16, cuda_graphs=graphs)
+            if ctx.cuda:  # the default is flex there: the torch backend side by side
+                bench.run_ours(model, prompts, k, 4, greedy, device, 16, attention_backend="torch")
             bench.run_hf(hf, prompts, k, 4, greedy, device)
             ours = bench.run_ours(model, prompts, k, new, greedy, device, 16)
             eager = bench.run_ours(model, prompts, k, new, greedy, device, 16, cuda_graphs=False)
+            other = None
+            if ctx.cuda:
+                other = bench.run_ours(model, prompts, k, new, greedy, device, 16,
+                                       attention_backend="torch")  # fmt: skip
             theirs = bench.run_hf(hf, prompts, k, new, greedy, device)
             row = {"model": size, "params": config.num_parameters(), "workload": name,
                    "requests": n * k, "ours_tokens_per_s": ours["tokens_per_s"],
                    "ours_eager_tokens_per_s": eager["tokens_per_s"],
                    "hf_tokens_per_s": theirs["tokens_per_s"],
                    "speedup": ours["tokens_per_s"] / theirs["tokens_per_s"],
-                   "eager_speedup": eager["tokens_per_s"] / theirs["tokens_per_s"]}  # fmt: skip
+                   "eager_speedup": eager["tokens_per_s"] / theirs["tokens_per_s"],
+                   "attention_backend": ours["attention_backend"]}  # fmt: skip
+            if other is not None:
+                row["ours_torch_attention_tokens_per_s"] = other["tokens_per_s"]
             ctx.details["runs"].append(row)
-            print(f"  {size} {name}: ours {row['ours_tokens_per_s']:.0f} tok/s (eager "
-                  f"{row['ours_eager_tokens_per_s']:.0f}), hf {row['hf_tokens_per_s']:.0f} tok/s, "
-                  f"x{row['speedup']:.2f}", flush=True)  # fmt: skip
+            print(f"  {size} {name}: ours ({row['attention_backend']}) "
+                  f"{row['ours_tokens_per_s']:.0f} tok/s (eager "
+                  f"{row['ours_eager_tokens_per_s']:.0f}"
+                  + (f", torch attention {other['tokens_per_s']:.0f}" if other else "")
+                  + f"), hf {row['hf_tokens_per_s']:.0f} tok/s, x{row['speedup']:.2f}",
+                  flush=True)  # fmt: skip
             ctx.check(f"{size}_{name}_all_tokens",
-                      ours["tokens"] == eager["tokens"] == theirs["tokens"] == n * k * new)  # fmt: skip
+                      ours["tokens"] == eager["tokens"] == theirs["tokens"] == n * k * new
+                      and (other is None or other["tokens"] == n * k * new))  # fmt: skip
         del model, hf
         if ctx.cuda:
             torch.cuda.empty_cache()

@@ -18,8 +18,8 @@ from rollout.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not flex.flex_available(), reason="no FlexAttention")
 
-CFG = dict(block_size=4, num_blocks=96, max_requests=8, max_sequence_length=96,
-           max_tokens_per_step=32, attention_backend="flex")  # fmt: skip
+CFG = dict(block_size=4, num_blocks=64, max_requests=8, max_sequence_length=96,
+           max_tokens_per_step=48, attention_backend="flex")  # fmt: skip
 
 
 def _engine(model, **overrides) -> DynamicInferenceEngine:
@@ -27,13 +27,13 @@ def _engine(model, **overrides) -> DynamicInferenceEngine:
 
 
 def test_greedy_tokens_and_log_probs_equal_the_reference():
-    """Chunked prefill (32-token steps), prefix hits, GRPO samples sharing a prompt's blocks,
+    """Chunked prefill (48-token steps), prefix hits, GRPO samples sharing a prompt's blocks,
     GQA: the reference's greedy tokens, and log-probs within 1e-5 in fp32."""
     model = tiny_model(num_key_value_heads=2)
     shared = prompts_of([21], seed=3)[0]
-    first = [shared, *prompts_of([3, 40, 9])]
+    first = [shared, *prompts_of([3, 30, 9])]
     hits = [shared, shared, [*shared, 7, 8]]
-    sp = SamplingParams(temperature=0.0, num_tokens_to_generate=6, ignore_eos=True,
+    sp = SamplingParams(temperature=0.0, num_tokens_to_generate=4, ignore_eos=True,
                         return_log_probs=True, return_prompt_log_probs=True)  # fmt: skip
     eng = _engine(model)
     assert eng.runner.attention_backend == "flex"
@@ -41,7 +41,7 @@ def test_greedy_tokens_and_log_probs_equal_the_reference():
     out += eng.generate(hits, sp.replace(return_prompt_log_probs=False))
     assert eng.stats()["tokens_reused"] >= 3 * 20
     for i, (p, r) in enumerate(zip(first + hits, out, strict=True)):
-        assert r.generated_tokens == greedy(model, p, 6)
+        assert r.generated_tokens == greedy(model, p, 4)
         with torch.no_grad():
             logp = torch.log_softmax(model(torch.tensor([p + r.generated_tokens]))[0], -1)
         n = len(p)
@@ -58,7 +58,7 @@ def test_static_decode_path_with_flex_equals_the_torch_backend():
     tokens and log-probs as the torch backend's regular path."""
     model = tiny_model(num_key_value_heads=2)
     prompts = prompts_of([5, 13, 30])
-    sp = SamplingParams(temperature=1.0, top_p=0.9, num_tokens_to_generate=8, seed=11,
+    sp = SamplingParams(temperature=1.0, top_p=0.9, num_tokens_to_generate=5, seed=11,
                         ignore_eos=True, return_log_probs=True)  # fmt: skip
     eng = _engine(model)
     max_blocks = -(-eng.config.max_sequence_length // eng.config.block_size)
@@ -66,7 +66,7 @@ def test_static_decode_path_with_flex_equals_the_torch_backend():
                                      torch.device("cpu"), capture=False,
                                      attention_backend="flex")  # fmt: skip
     got = eng.generate(prompts, sp)
-    assert eng.runner.graphs.counters["eager"] >= 5
+    assert eng.runner.graphs.counters["eager"] >= 3
     want = _engine(model, attention_backend="torch").generate(prompts, sp)
     for a, b in zip(got, want, strict=True):
         assert a.generated_tokens == b.generated_tokens

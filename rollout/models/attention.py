@@ -346,7 +346,7 @@ def static_flex_plan(
     nblocks = (context_lens + block_size - 1) // block_size
     p2l = flex.physical_to_logical(block_tables, nblocks, pool_blocks)
     mask = flex.decode_block_mask(block_tables, context_lens, p2l, block_size, pool_blocks)
-    compiled = block_tables.device.type == "cuda" or flex.COMPILE_ON_CPU
+    compiled = block_tables.device.type == "cuda"
     return StaticDecodePlan(slot_mapping, block_tables, context_lens, mask, compiled)
 
 

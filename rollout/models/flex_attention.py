@@ -25,8 +25,10 @@ not only in the listed blocks, because eager flex_attention (CPU tests) ignores 
 and evaluates the mask over the whole pool; compiled, only the partial blocks evaluate it.
 
 Compiled (CUDA) the kernel tiles keys by `BLOCK_N`, which must divide the engine's block size
-(so block_size must be a multiple of 16 there). Eager flex materialises [rows, heads, pool]
-scores: right for tests, far too slow for CPU serving, where the torch backend stays the default.
+(so block_size must be a multiple of 16 there). On CPU the calls run eagerly: inductor's C++
+flex template fails to build this mask (a CppCompileError in torch 2.13), and eager flex
+materialises [rows, heads, pool] scores: right for tests, far too slow for CPU serving, where
+the torch backend stays the default.
 """
 
 from __future__ import annotations
@@ -45,7 +47,6 @@ except ImportError:  # an old torch: the flex backend is refused at engine start
 
 Q_TILE = 128  # query rows per block-mask tile, compiled: a multiple of the kernels' BLOCK_M
 EAGER_Q_TILE = 16  # eager flex ignores the tiles: pad each chunk less
-COMPILE_ON_CPU = False  # compiled flex on CPU (inductor C++ template): slow to build, tests only
 
 
 def flex_available() -> bool:
@@ -146,11 +147,6 @@ def _block_mask(
     """A BlockMask from [B, tiles] counts and [B, tiles, W] indices (one head dimension);
     tile = (query rows, keys) per block."""
     i32 = torch.int32
-    need = -(-kv_len // tile[1])
-    if kv_idx.device.type == "cpu" and kv_idx.shape[-1] < need:
-        # inductor's CPU template wants lists as wide as the keys (eager ignores the width)
-        kv_idx = torch.nn.functional.pad(kv_idx, (0, need - kv_idx.shape[-1]))
-        full_idx = torch.nn.functional.pad(full_idx, (0, need - full_idx.shape[-1]))
     return BlockMask.from_kv_blocks(
         kv_num[:, None].to(i32), kv_idx[:, None].to(i32), full_num[:, None].to(i32),
         full_idx[:, None].to(i32), BLOCK_SIZE=tile, mask_mod=mask_mod,
@@ -236,12 +232,12 @@ def plan_flex(
     compiled: bool | None = None,
 ) -> FlexPlan:
     """The flex plan of one step (python lists in, as rollout.models.attention reads them).
-    compiled: whether the kernels run compiled (None: on CUDA, or on CPU with COMPILE_ON_CPU)."""
+    compiled: whether the kernels run compiled (None: on CUDA)."""
     if not flex_available():
         raise RuntimeError("attention_backend='flex' needs torch.nn.attention.flex_attention")
     device = slot_mapping.device
     if compiled is None:
-        compiled = device.type == "cuda" or COMPILE_ON_CPU
+        compiled = device.type == "cuda"
     width = max((len(t) for t in tables), default=1) or 1
     host = torch.tensor([list(t) + [0] * (width - len(t)) for t in tables],
                         dtype=torch.long).view(len(tables), width)  # fmt: skip
