@@ -364,7 +364,8 @@ def static_decode_attention(
     axis), as the batched path does but with shapes fixed by the plan alone."""
     if plan.flex_mask is not None:
         flex.write_kv(k, v, k_cache, v_cache, plan.slot_mapping)
-        return flex.decode_attention(q, k_cache, v_cache, plan.flex_mask, scale, plan.flex_compiled)
+        return flex.decode_attention(q, k_cache, v_cache, plan.flex_mask, scale,
+                                     plan.flex_compiled, graph=True)  # fmt: skip
     batch, heads, dim = q.shape
     kvh = k.shape[1]
     k_cache.view(-1, kvh, dim).index_copy_(0, plan.slot_mapping, k.to(k_cache.dtype))

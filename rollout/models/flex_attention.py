@@ -93,14 +93,14 @@ def _paged_mask(
     """mask_mod: query row r (the batch index when `by_batch`, else the query index) belongs to
     sequence `row_seq[r]` (r itself when None) at position `row_pos[r]`; key `kv` is pool slot
     kv. True iff that slot holds a position <= the query's in the query's sequence."""
-    last = tables.shape[1] - 1
 
     def mask_mod(b, h, q_idx, kv_idx):
         r = b if by_batch else q_idx
         seq = r if row_seq is None else row_seq[r]
         block = kv_idx // block_size
         logical = p2l[block]
-        own = tables[seq, logical.clamp(0, last)] == block
+        # the bound from the tensor, not a python int: a new width must not recompile
+        own = tables[seq, logical.clamp(0, tables.shape[1] - 1)] == block
         return (logical >= 0) & own & (logical * block_size + kv_idx % block_size <= row_pos[r])
 
     return mask_mod
@@ -261,28 +261,47 @@ def plan_flex(
     return FlexPlan(slot_mapping.long(), decode, prefill, bool(compiled))
 
 
+# Three compiled entry points, each its own code object so their dynamo caches stay apart:
+# prefill lengths change every step (dynamic shapes); graph-captured decode has one fixed batch
+# per bucket (static: FlexAttention's decoding kernel needs a static batch); decode outside the
+# graphs (mixed steps, graphs off) takes whatever batch and width come (dynamic once they vary).
+def _prefill_entry(*args, **kwargs):
+    return flex_attention(*args, **kwargs)
+
+
+def _graph_decode_entry(*args, **kwargs):
+    return flex_attention(*args, **kwargs)
+
+
+def _decode_entry(*args, **kwargs):
+    return flex_attention(*args, **kwargs)
+
+
+_ENTRIES = {"prefill": (_prefill_entry, True), "graph_decode": (_graph_decode_entry, False),
+            "decode": (_decode_entry, None)}  # fmt: skip
+
+
 @functools.cache
-def _compiled(dynamic: bool) -> Callable:
-    # decode shapes are the CUDA-graph batch buckets (one compile each); prefill lengths vary
+def _compiled(kind: str) -> Callable:
+    # up to 20 batch buckets compile the graph decode once each
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    return torch.compile(flex_attention, dynamic=dynamic, fullgraph=True)
+    fn, dynamic = _ENTRIES[kind]
+    return torch.compile(fn, dynamic=dynamic, fullgraph=True)
 
 
-def _kernel_options(block_size: int, device: torch.device, decode: bool) -> dict | None:
+def _kernel_options(block_size: int, kind: str) -> dict | None:
     """Key tiles must divide the block size; the decode kernel picks its own (clipped)."""
-    if device.type != "cuda" or decode:
-        return None
-    return {"BLOCK_N": math.gcd(block_size, 64)}
+    return {"BLOCK_N": math.gcd(block_size, 64)} if kind == "prefill" else None
 
 
 def _flex(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, block_mask: BlockMask,
-          scale: float, compiled: bool, decode: bool) -> torch.Tensor:  # fmt: skip
+          scale: float, compiled: bool, kind: str) -> torch.Tensor:  # fmt: skip
     gqa = q4.shape[1] != k4.shape[1]
     if not compiled:
         return flex_attention(q4, k4, v4, block_mask=block_mask, scale=scale, enable_gqa=gqa)
-    options = _kernel_options(block_mask.BLOCK_SIZE[1], q4.device, decode)
-    return _compiled(not decode)(q4, k4, v4, block_mask=block_mask, scale=scale,
-                                 enable_gqa=gqa, kernel_options=options)  # fmt: skip
+    options = _kernel_options(block_mask.BLOCK_SIZE[1], kind)
+    return _compiled(kind)(q4, k4, v4, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                           kernel_options=options)  # fmt: skip
 
 
 def _pool_as_sequence(cache: torch.Tensor) -> torch.Tensor:
@@ -304,11 +323,13 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_mask: BlockMask, scale: float, compiled: bool) -> torch.Tensor:  # fmt: skip
-    """q [B, H, D], one token per row -> [B, H, D] through `block_mask`'s rows."""
+                     block_mask: BlockMask, scale: float, compiled: bool,
+                     graph: bool = False) -> torch.Tensor:  # fmt: skip
+    """q [B, H, D], one token per row -> [B, H, D] through `block_mask`'s rows; `graph`: a
+    CUDA-graph step (static shapes)."""
     k4, v4 = _pool_as_sequence(k_cache), _pool_as_sequence(v_cache)
-    out = _flex(q.unsqueeze(2), k4, v4, block_mask, scale, compiled, decode=True)
-    return out.squeeze(2)
+    kind = "graph_decode" if graph else "decode"
+    return _flex(q.unsqueeze(2), k4, v4, block_mask, scale, compiled, kind).squeeze(2)
 
 
 def flex_paged_attention(
@@ -334,6 +355,6 @@ def flex_paged_attention(
     if p is not None:
         qp = q.index_select(0, p.gather).transpose(0, 1).unsqueeze(0)  # [1, H, P, D]
         k4, v4 = _pool_as_sequence(k_cache), _pool_as_sequence(v_cache)
-        op = _flex(qp, k4, v4, p.block_mask, scale, plan.compiled, decode=False)
+        op = _flex(qp, k4, v4, p.block_mask, scale, plan.compiled, "prefill")
         out.index_copy_(0, p.out_rows, op[0].transpose(0, 1).index_select(0, p.real))
     return out
