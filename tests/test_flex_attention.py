@@ -186,3 +186,38 @@ def test_unknown_backend_is_refused():
     meta = PagedAttentionMetadata.from_lists([1], [3], [[0]], 4, backend="triton")
     with pytest.raises(ValueError, match="triton"):
         AttentionPlan(meta, 4, 1, 8)
+
+
+def test_compiled_entries_trace_whole_and_do_not_recompile_per_step(monkeypatch):
+    """The compiled path short of the kernels (dynamo + AOT autograd with an eager backend, as
+    CPU allows): the mask and block masks trace as one graph per entry point, and steps of new
+    lengths and table widths reuse them (decode turns dynamic once, prefill is dynamic)."""
+    import functools
+
+    from torch._dynamo.utils import counters
+
+    def compiled(kind):
+        fn, dynamic = flex._ENTRIES[kind]
+        return torch.compile(fn, dynamic=dynamic, fullgraph=True, backend="aot_eager")
+
+    monkeypatch.setattr(flex, "_compiled", functools.cache(compiled))
+    torch._dynamo.reset()
+    counters.clear()
+    bs, pool = 16, 48
+    q_lens, ctx, tables = _scenario(bs, pool, seed=1)
+    graphs = []
+    for keep in (7, 5, 6):  # other packed lengths, decode batches and table widths
+        meta = PagedAttentionMetadata.from_lists(q_lens[:keep], ctx[:keep], tables[:keep], bs,
+                                                 backend="flex")  # fmt: skip
+        n = sum(q_lens[:keep])
+        plan = AttentionPlan(meta, bs, n, pool)
+        plan.flex.compiled = True
+        torch.manual_seed(keep)
+        kc, vc = torch.randn(pool, bs, 2, 8), torch.randn(pool, bs, 2, 8)
+        q, k, v = torch.randn(n, 4, 8), torch.randn(n, 2, 8), torch.randn(n, 2, 8)
+        out = paged_attention(q, k, v, kc, vc, plan, 0.35)
+        want = _reference(q, kc, vc, q_lens[:keep], ctx[:keep], tables[:keep], 0.35)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [2, 3, 3], graphs
+    torch._dynamo.reset()
