@@ -73,6 +73,33 @@ def test_static_decode_path_with_flex_equals_the_torch_backend():
         assert a.generated_log_probs == pytest.approx(b.generated_log_probs, abs=1e-5)
 
 
+def test_a_failing_flex_kernel_falls_back_to_the_torch_backend(monkeypatch):
+    """A kernel the device or the compiler refuses costs speed, not requests: the step reruns
+    on the torch backend (graphs kept, now on torch), which stays from then on."""
+    model = tiny_model()
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("triton: out of resources")
+
+    monkeypatch.setattr(flex, "flex_paged_attention", refuse)
+    monkeypatch.setattr(flex, "decode_attention", refuse)
+    eng = _engine(model)
+    max_blocks = -(-eng.config.max_sequence_length // eng.config.block_size)
+    eng.runner.graphs = DecodeGraphs(model, eng.config.max_requests, max_blocks,
+                                     torch.device("cpu"), capture=False,
+                                     attention_backend="flex")  # fmt: skip
+    prompts = prompts_of([4, 11])
+    sp = SamplingParams(temperature=0.0, num_tokens_to_generate=5, ignore_eos=True)
+    out = eng.generate(prompts, sp)
+    assert [r.generated_tokens for r in out] == [greedy(model, p, 5) for p in prompts]
+    assert calls == [1] and eng.runner.attention_backend == "torch"
+    assert eng.runner.graphs is not None and eng.runner.graphs.attention_backend == "torch"
+    assert eng.runner.graphs.counters["eager"] >= 3  # decode steps still take the graph path
+    assert eng.stats()["step_failures"] == 0 and eng.stats()["request_faults"] == 0
+
+
 def test_backend_selection_and_refusals():
     cpu = torch.device("cpu")
     assert InferenceConfig().attention_backend == "auto"

@@ -107,7 +107,24 @@ class ModelRunner:
 
     def logits(self, prep: PreparedBatch, kv_cache: torch.Tensor) -> torch.Tensor | None:
         """Logits [len(prep.logit_rows), V] in logit-row order (None when no row needs them);
-        the new tokens' K/V land in kv_cache."""
+        the new tokens' K/V land in kv_cache.
+
+        A step that fails on the flex backend (a kernel the device or compiler refuses) is
+        rerun on the torch backend, which the runner keeps from then on: it costs speed, never
+        the engine. The rerun rewrites the K/V the failed try wrote, with the same values."""
+        try:
+            return self._logits(prep, kv_cache)
+        except Exception:
+            if self.attention_backend != "flex":
+                raise
+            log.exception("flex attention failed; attention runs on the torch backend from now on")
+            self.attention_backend = "torch"
+            if self.graphs is not None:
+                self.graphs.clear()
+                self.graphs.attention_backend = "torch"
+            return self._logits(prep, kv_cache)
+
+    def _logits(self, prep: PreparedBatch, kv_cache: torch.Tensor) -> torch.Tensor | None:
         graphs = self.graphs
         if (
             graphs is not None
@@ -118,6 +135,8 @@ class ModelRunner:
                 return graphs.logits(prep.tokens, prep.positions, prep.context_lens,
                                      prep.block_tables, prep.block_size, kv_cache)  # fmt: skip
             except Exception:  # a capture the device refuses costs speed, never the engine
+                if self.attention_backend == "flex":
+                    raise  # flex may be to blame: `logits` retries on the torch backend first
                 log.exception("CUDA graph decode failed; decoding eagerly from now on")
                 graphs.clear()
                 self.graphs = None
