@@ -142,6 +142,7 @@ def test_compiled_flex_on_cuda_equals_the_torch_backend():
         assert eng.runner.graphs is not None and eng.runner.graphs.attention_backend == backend
         results[backend] = eng.generate(prompts[:1], sp) + eng.generate(prompts[1:], sp)
         assert eng.stats()["decode_graph_replays"] > 5 and eng.stats()["tokens_reused"] > 0
+        assert eng.runner.attention_backend == backend  # no fallback from flex to torch
     for a, b in zip(results["flex"], results["torch"], strict=True):
         assert a.generated_tokens == b.generated_tokens
         assert a.generated_log_probs == pytest.approx(b.generated_log_probs, abs=1e-3)
