@@ -322,6 +322,8 @@ def stage_throughput(ctx: Ctx) -> None:
             ctx.check(f"{size}_{name}_all_tokens",
                       ours["tokens"] == eager["tokens"] == theirs["tokens"] == n * k * new
                       and (other is None or other["tokens"] == n * k * new))  # fmt: skip
+            if ctx.cuda:  # flex is the default there; a fallback to torch is logged and fails
+                ctx.check(f"{size}_{name}_flex_ran", ours["attention_backend"] == "flex")
         del model, hf
         if ctx.cuda:
             torch.cuda.empty_cache()
