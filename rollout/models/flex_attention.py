@@ -289,9 +289,10 @@ def _compiled(kind: str) -> Callable:
     return torch.compile(fn, dynamic=dynamic, fullgraph=True)
 
 
-def _kernel_options(block_size: int, kind: str) -> dict | None:
-    """Key tiles must divide the block size; the decode kernel picks its own (clipped)."""
-    return {"BLOCK_N": math.gcd(block_size, 64)} if kind == "prefill" else None
+def _kernel_options(block_size: int) -> dict:
+    """Key tiles must divide the block size, in the main kernel (prefill, and decode with a
+    dynamic batch) and the decoding kernel alike; the default configs' 64/128 would not."""
+    return {"BLOCK_N": math.gcd(block_size, 64)}
 
 
 def _flex(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, block_mask: BlockMask,
@@ -299,7 +300,7 @@ def _flex(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, block_mask: Bloc
     gqa = q4.shape[1] != k4.shape[1]
     if not compiled:
         return flex_attention(q4, k4, v4, block_mask=block_mask, scale=scale, enable_gqa=gqa)
-    options = _kernel_options(block_mask.BLOCK_SIZE[1], kind)
+    options = _kernel_options(block_mask.BLOCK_SIZE[1])
     return _compiled(kind)(q4, k4, v4, block_mask=block_mask, scale=scale, enable_gqa=gqa,
                            kernel_options=options)  # fmt: skip
 
