@@ -64,7 +64,14 @@ def instrument(engine: Any, log_path: str | os.PathLike) -> Any:
         update(state_dict, version)
         write({"ev": "update"})
 
+    flip = engine.flip_weights
+
+    def logged_flip(staged: Any) -> None:  # a staged update's weights change here
+        flip(staged)
+        write({"ev": "update"})
+
     engine.scheduler.schedule = logged_schedule
+    engine.flip_weights = logged_flip
     engine.step = logged_step
     engine.update_weights = logged_update
     write({"ev": "start", "version": int(engine.weight_version), "pid": os.getpid()})

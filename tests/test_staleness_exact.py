@@ -38,10 +38,10 @@ VOCAB = ByteTokenizer().vocab_size
 LENGTHS = (3, 8, 13, 24)  # with a batch of 2 groups, some requests span one, two, three updates
 
 
-def _icfg(num_blocks: int, kv_policy: str) -> dict:
+def _icfg(num_blocks: int, kv_policy: str, weight_update: str = "pause") -> dict:
     return {"num_blocks": num_blocks, "block_size": 4, "max_requests": 8,
             "max_tokens_per_step": 64, "max_sequence_length": 64, "streaming_interval": 2,
-            "kv_policy": kv_policy}  # fmt: skip
+            "kv_policy": kv_policy, "weight_update": weight_update}  # fmt: skip
 
 
 @functools.cache
@@ -61,8 +61,9 @@ def _prompts(lengths: tuple[int, ...] = LENGTHS, first: int = 0) -> Iterator[dic
 
 
 def _manager(tmp_path, dp: int, mode: str, kv_policy: str, suspend_mode: str, num_blocks: int,
-             max_staleness: int | None = None) -> RolloutManager:  # fmt: skip
-    icfg = _icfg(num_blocks, kv_policy)
+             max_staleness: int | None = None,
+             weight_update: str = "pause") -> RolloutManager:  # fmt: skip
+    icfg = _icfg(num_blocks, kv_policy, weight_update)
     common = {"mode": mode, "suspend_mode": suspend_mode, "max_staleness": max_staleness,
               "max_inflight_groups": 4 if num_blocks > 16 else 6 * dp,  # a small pool: crowd it
               "collect_timeout_s": 120.0}  # fmt: skip
@@ -157,6 +158,31 @@ def test_staleness_matches_oracle(tmp_path, dp, mode, kv_policy, suspend_mode, n
     if bound is not None:
         assert stats["rollout/groups_dropped_stale"] >= 1  # the bound did bite
     assert stats["staleness/policy_max"] == max(max(s.policy_staleness) for s, _ in got[-2:])
+
+
+STAGED_CASES = [  # kv_policy, num_blocks, max_staleness
+    pytest.param("keep", 64, 1, id="dp1-async-keep-bound1-staged"),
+    pytest.param("recompute", 8, None, id="dp1-async-recompute-evict-staged"),
+]
+
+
+@pytest.mark.parametrize("kv_policy,num_blocks,bound", STAGED_CASES)
+def test_staged_update_staleness_matches_oracle(tmp_path, kv_policy, num_blocks, bound):
+    """weight_update="staged" (rollout.engine.staging): versions are staged by the trainer's
+    thread while the engine steps and flipped between two steps; the oracle logs the flip as
+    the update, and every handed-out token's versions and staleness match it exactly."""
+    with _manager(tmp_path, 1, "async", kv_policy, "offload", num_blocks, bound,
+                  weight_update="staged") as m:  # fmt: skip
+        history = [m.version]
+        got = _async(m, history, steps=3)
+        stats = m.stats()
+    seen = _check(tmp_path, got, history, bound)
+    assert len(got) == 8 and stats["rollout/version"] == 6
+    assert "weight_sync/staging_seconds" in stats
+    if bound is not None:
+        assert stats["rollout/groups_dropped_stale"] >= 1
+    else:
+        assert seen["spans"] >= 1
 
 
 def _victim_progress(log: Path) -> dict[str, int]:

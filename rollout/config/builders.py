@@ -93,6 +93,7 @@ def inference_config(run: RunConfig) -> InferenceConfig:
         max_requests=e.max_requests, max_tokens_per_step=e.max_tokens_per_step,
         max_sequence_length=e.max_sequence_length, enable_prefix_caching=e.enable_prefix_caching,
         enable_chunked_prefill=e.enable_chunked_prefill, kv_policy=run.rollout.kv_policy.value,
+        weight_update=run.rollout.weight_update.value,
         streaming_interval=e.streaming_interval, cuda_graphs=e.cuda_graphs,
         attention_backend=e.attention_backend.value,
         device=str(resolve_device(run)),

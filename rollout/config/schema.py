@@ -13,7 +13,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from rollout.engine.config import ATTENTION_BACKENDS, KV_POLICIES
+from rollout.engine.config import ATTENTION_BACKENDS, KV_POLICIES, WEIGHT_UPDATES
 from rollout.protocol import SUSPEND_MODES
 from rollout.sampling import LOGPROBS_MODES
 from rollout.serving.coordinator.routing import POLICIES
@@ -33,6 +33,7 @@ RoutingPolicy = _enum("RoutingPolicy", *POLICIES)
 RolloutMode = _enum("RolloutMode", "colocated", "async")
 StalePolicy = _enum("StalePolicy", "drop", "regenerate")
 KVPolicy = _enum("KVPolicy", *KV_POLICIES)
+WeightUpdate = _enum("WeightUpdate", *WEIGHT_UPDATES)
 Optimizer = _enum("Optimizer", "adamw")
 LrSchedule = _enum("LrSchedule", "constant", "cosine")
 LossType = _enum("LossType", "grpo", "ppo_clip")
@@ -132,6 +133,9 @@ class RolloutCfg:
     max_staleness: int = 1  # weight updates a trained token may lag behind
     stale_policy: StalePolicy = StalePolicy.drop
     kv_policy: KVPolicy = KVPolicy.recompute
+    # pause: decoding waits for each update's transfer; staged: received into a second buffer
+    # while decoding goes on, flipped between two steps (rollout.engine.staging)
+    weight_update: WeightUpdate = WeightUpdate.pause
     partial_rollouts: bool = True
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
     max_extra_groups: int | None = None  # dynamic sampling's extra groups per batch (None: batch)

@@ -10,6 +10,7 @@ import torch
 
 KV_POLICIES = ("recompute", "keep")
 ATTENTION_BACKENDS = ("auto", "torch", "flex")
+WEIGHT_UPDATES = ("pause", "staged")  # rollout.engine.staging
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -48,7 +49,11 @@ class InferenceConfig:
     tokens fed through the model per step (decodes + prefill chunks); it must cover one decode
     token for every running request. kv_policy says what a weight update does to in-flight KV:
     "recompute" re-prefills under the new weights, "keep" reuses the old KV (its staleness
-    counts). streaming_interval is the number of new tokens between partial outputs (0 = off).
+    counts). weight_update says how an update reaches the weights: "pause" copies the trainer's
+    tensors between two steps (decoding waits for the transfer), "staged" receives and checks
+    them into a second buffer while decoding goes on and flips between two steps
+    (rollout.engine.staging; doubles the weights' memory). streaming_interval is the number
+    of new tokens between partial outputs (0 = off).
     cuda_graphs replays decode steps from CUDA graphs on a CUDA device (rollout.engine.cuda_graphs;
     ignored elsewhere); turn it off to debug or profile the eager path. attention_backend picks
     the paged attention: "torch" (rollout.models.attention, tuned for CPU), "flex" (PyTorch's
@@ -66,6 +71,7 @@ class InferenceConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     kv_policy: str = "recompute"
+    weight_update: str = "pause"
     streaming_interval: int = 0
     cuda_graphs: bool = True
     attention_backend: str = "auto"
@@ -97,6 +103,9 @@ class InferenceConfig:
                 f"InferenceConfig.attention_backend must be one of {ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
             )
+        if self.weight_update not in WEIGHT_UPDATES:
+            raise ValueError(f"InferenceConfig.weight_update must be one of {WEIGHT_UPDATES}, "
+                             f"got {self.weight_update!r}")  # fmt: skip
         if self.max_tokens_per_step < self.max_requests:
             raise ValueError(
                 f"InferenceConfig.max_tokens_per_step ({self.max_tokens_per_step}) must be >= "

@@ -47,6 +47,7 @@ from rollout.engine.kv_pool import KVPool
 from rollout.engine.model_runner import ModelRunner, prepare_batch
 from rollout.engine.scheduler import ScheduledBatch, Scheduler
 from rollout.engine.sequence import Sequence, check_block_hashes
+from rollout.engine.staging import Staged, WeightStage
 from rollout.protocol import SUSPEND_MODES
 from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord, Status
 from rollout.sampling import SamplingParams
@@ -122,6 +123,7 @@ class DynamicInferenceEngine:
                          "requests_failed": 0, "request_faults": 0, "step_failures": 0,
                          "weight_updates": 0, "forward_time_s": 0.0}  # fmt: skip
         self._failures_in_a_row = 0
+        self.weight_stage = WeightStage(self.model)  # its buffer is allocated on first use
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(
@@ -534,6 +536,21 @@ class DynamicInferenceEngine:
         with torch.no_grad():
             for name, t in state_dict.items():
                 targets[name].copy_(t)
+        self._after_update(version)
+
+    def flip_weights(self, staged: Staged) -> None:
+        """Serve the version `stage_weights` staged, from the next step on: the weights swap
+        with the buffer (a device-local copy while CUDA graphs hold the weights' addresses),
+        then exactly what `update_weights` does after its copy. Call between two steps."""
+        if staged is not self.weight_stage.staged or staged.version <= self.weight_version:
+            raise ValueError(f"version {staged.version} is not the one staged for this engine "
+                             f"(serving {self.weight_version})")  # fmt: skip
+        self.weight_stage.flip(staged, swap=self.runner.graphs is None)
+        self._after_update(staged.version)
+
+    def _after_update(self, version: int) -> None:
+        """New weights are in: stamp `version`, count the update against every in-flight
+        request and apply the KV policy."""
         self.weight_version = version
         self.counters["weight_updates"] += 1
         recompute = self.config.kv_policy == "recompute"
@@ -545,6 +562,18 @@ class DynamicInferenceEngine:
             elif has_kv:
                 seq.cacheable = False  # its KV mixes weights: never publish it
         self.blocks.drop_blocks_older_than(version)
+
+    def stage_weights(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        version: int,
+        should_abort: Callable[[], bool] | None = None,
+    ) -> Staged:
+        """Check `state_dict` and copy it into the second buffer (rollout.engine.staging), while
+        steps go on: safe from another thread, it reads no engine state but the weights'
+        shapes. Flip with `flip_weights(staged)` between two steps, inside
+        `weight_stage.hold()`. ValueError / StagingAborted leave nothing staged."""
+        return self.weight_stage.stage(state_dict, version, self.weight_version, should_abort)
 
     def _check_update(
         self, state_dict: Mapping[str, torch.Tensor], version: int

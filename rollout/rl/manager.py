@@ -359,12 +359,23 @@ class RolloutManager:
 
         Runs between engine steps. In-flight requests are checkpointed and their staleness
         incremented by the engine, which also applies the KV policy and drops stale prefix cache.
+        With `InferenceConfig(weight_update="staged")` (in-process engine) the weights are first
+        checked and copied into the engine's second buffer on this thread while the engine
+        keeps generating; only the flip (rollout.engine.staging) runs between two steps.
         """
         new = self.version + 1 if version is None else int(version)
         if new <= self.version:
             raise ValueError(f"weight version must increase: got {new}, current {self.version}")
         sd = as_state_dict(source)
-        return self._driver.call(lambda: self._do_update(sd, new))
+        stage = getattr(self.engine, "weight_stage", None)
+        if stage is None or self.engine.config.weight_update != "staged":
+            return self._driver.call(lambda: self._do_update(sd, new))
+        with stage.hold():  # staged: received and checked here while the engine steps on
+            staged = self.engine.stage_weights(sd, new)
+            with self._cv:
+                self._last["weight_sync/staging_seconds"] = staged.seconds
+            flip = lambda: self.engine.flip_weights(staged)  # noqa: E731
+            return self._driver.call(lambda: self._do_update(staged.tensors, new, flip))
 
     def stats(self) -> dict[str, float]:
         """Flat metrics under fixed namespaces (rollout/*, staleness/*, weight_sync/*, engine/*)."""
@@ -444,11 +455,17 @@ class RolloutManager:
             submit()
         self._last["engine/resume_s"] = time.perf_counter() - t0
 
-    def _do_update(self, sd: dict[str, torch.Tensor], version: int) -> int:
+    def _do_update(
+        self, sd: dict[str, torch.Tensor], version: int, install: Callable[[], None] | None = None
+    ) -> int:
+        """Install `version` (`install`: the staged flip; default: update_weights(sd))."""
         if version <= self.version:
             raise ValueError(f"weight version must increase: got {version}, current {self.version}")
         t0 = time.perf_counter()
-        self.engine.update_weights(sd, version)
+        if install is None:
+            self.engine.update_weights(sd, version)
+        else:
+            install()
         dt = time.perf_counter() - t0
         nbytes = sum(t.numel() * t.element_size() for t in sd.values())
         with self._cv:
