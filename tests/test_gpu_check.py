@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
 STAGES = ["environment", "cuda_tests", "hf_parity", "suspend_memory", "ipc_weight_sync",
-          "throughput", "decode_profile", "grpo_recipe"]  # fmt: skip
+          "throughput", "decode_profile", "grpo_recipe", "staged_update"]  # fmt: skip
 
 
 def run_check(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
@@ -47,7 +47,7 @@ def test_cpu_mode_passes_every_cpu_stage(tmp_path):
     assert stages["cuda_tests"]["status"] == "skipped"
     assert stages["ipc_weight_sync"]["status"] in ("passed", "not_available")
     for name in ("environment", "hf_parity", "suspend_memory", "throughput", "decode_profile",
-                 "grpo_recipe"):  # fmt: skip
+                 "grpo_recipe", "staged_update"):  # fmt: skip
         assert stages[name]["status"] == "passed", (name, stages[name]["error"])
         assert stages[name]["checks"] and all(stages[name]["checks"].values()), name
     parity = stages["hf_parity"]["details"]

@@ -43,7 +43,7 @@ def marker_model() -> nn.Module:
 
     def version_logits(hidden: torch.Tensor) -> torch.Tensor:
         logits = compute_logits(hidden)
-        version = float(model.marker)
+        version = float(model.marker.detach())
         token = BASE + int(version) if seen["stamp"] == version else MIXED
         out = torch.full_like(logits, -1e4)
         out[:, token] = 0.0
@@ -224,3 +224,82 @@ def test_manager_refuses_a_bad_staged_update_and_keeps_serving():
     assert got[0].token_versions[0] == 0 and set(got[-1].token_versions) == {1}
     for s in got:
         assert [t - BASE for t in s.completion_tokens] == s.token_versions
+
+
+def gated_engine(**kwargs):
+    """Worker-process factory: an engine whose staging starts only once the engine stepped
+    twice more, and raises when it does not within 60 s (a loop blocked by the transfer)."""
+    from rollout.serving import factory
+
+    eng = factory.build_engine(**kwargs)
+    stage = eng.stage_weights
+
+    def gated(state_dict, version, should_abort=None):
+        start = eng.counters["steps"]
+        wait_for(lambda: eng.counters["steps"] >= start + 2, 60, "engine steps while staging")
+        return stage(state_dict, version, should_abort)
+
+    eng.stage_weights = gated
+    return eng
+
+
+def test_engine_processes_step_while_they_receive_a_staged_update():
+    """dp = 2, async: each engine process receives and stages while its loop keeps stepping
+    (its staging waits for two more steps: an engine that stopped would fail the update), and
+    the version reaches every engine with the trainer's digest check."""
+    icfg = {"block_size": 4, "num_blocks": 256, "max_requests": 8, "max_tokens_per_step": 64,
+            "max_sequence_length": 256, "weight_update": "staged"}  # fmt: skip
+    options = {"engine_factory": gated_engine,
+               "coordinator": {"policy": "round_robin", "heartbeat_s": 0.2}}  # fmt: skip
+    sd = build_model(ModelConfig.preset("tiny", vocab_size=VOCAB), seed=5).state_dict()
+
+    def prompts():
+        for i in range(10_000):
+            sp = SamplingParams(num_tokens_to_generate=2 if i == 0 else 200, ignore_eos=True)
+            yield {"prompt": [256, 1 + i % 250, 9], "sampling_params": sp}
+
+    with RolloutManager(model="tiny", tokenizer=None, dp=2, inference_config=icfg,
+                        cluster_options=options, mode="async", max_inflight_groups=5,
+                        collect_timeout_s=120.0) as m:  # fmt: skip
+        source = prompts()
+        first = m.collect(source, 1)  # the others, long, keep both engines busy
+        assert m.update_weights(sd) == 1
+        acks = m.engine.last_sync
+        rest = m.collect(source, 4)
+    assert first[0].token_versions == [0, 0]
+    assert sorted(acks) == [0, 1] and all(a["weight_version"] == 1 for a in acks.values())
+    assert any(set(s.token_versions) == {0, 1} for s in rest)
+
+
+def test_staged_update_benchmark_runs(tmp_path):
+    """benchmarks/staged_update.py --quick: both modes reach every version, side by side."""
+    from benchmarks.staged_update import main
+
+    result = main(quick=True, out_dir=tmp_path)
+    for mode in ("pause", "staged"):
+        r = result[mode]
+        assert r["version"] == result["shape"]["updates"] and r["median_step_s"] > 0
+        assert r["longest_gap_during_update_s"] >= r["stall_s"] >= 0
+    assert result["staged"]["staging_seconds"] is not None
+    assert result["ratios"]["stall_pause_over_staged"] > 0
+    assert (tmp_path / "staged_update.json").exists()
+    assert (tmp_path / "staged_update.png").stat().st_size > 0
+
+
+def test_the_copy_flip_keeps_the_weights_addresses():
+    """Under CUDA graphs (which hold the weights' addresses) the flip copies instead of
+    swapping storage: same addresses, the staged values, tied names flipped once."""
+    eng, model = engine()
+    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+    with eng.weight_stage.hold():
+        staged = eng.stage_weights(weights_of(model, 1), 1)
+        eng.weight_stage.flip(staged, swap=False)
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs
+    want = weights_of(model, 1)
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, want[name]), name
+    with eng.weight_stage.hold():  # the swap: the buffer's storage becomes the weights'
+        staged = eng.stage_weights(weights_of(model, 2), 2)
+        eng.weight_stage.flip(staged, swap=True)
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} != ptrs
+    assert float(model.marker.detach()) == 2.0

@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -80,13 +81,13 @@ class WeightStage:
         self.staged = None
         targets = self._check(state_dict, version, current_version)
         buffers = self._buffers_for(targets)
-        with torch.no_grad():
+        with torch.no_grad(), self._side_stream(buffers) as stream:
             for name, t in state_dict.items():
                 if should_abort is not None and should_abort():
                     raise StagingAborted(f"staging version {version} was aborted")
-                buffers[name].copy_(t, non_blocking=False)
-        if buffers and next(iter(buffers.values())).is_cuda:
-            torch.cuda.current_stream().synchronize()  # staged means on the device, complete
+                buffers[name].copy_(t)
+            if stream is not None:
+                stream.synchronize()  # staged means on the device, complete
         self.staged = Staged(version, {n: buffers[n] for n in state_dict},
                              time.perf_counter() - t0)  # fmt: skip
         return self.staged
@@ -139,3 +140,16 @@ class WeightStage:
                 else:
                     target.copy_(buf)
         self.staged = None
+
+    @contextlib.contextmanager
+    def _side_stream(self, buffers: dict[str, torch.Tensor]) -> Iterator[Any]:
+        """On CUDA, copy on a stream of its own: decode kernels on the engine's stream are not
+        queued behind the transfer. It first waits for the last flip's reads of the buffer."""
+        device = next(iter(buffers.values())).device
+        if device.type != "cuda":
+            yield None
+            return
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            yield stream

@@ -57,6 +57,7 @@ from rollout.protocol import (
 )
 from rollout.request import DynamicInferenceRequestRecord
 from rollout.sampling import SamplingParams
+from rollout.serving.between_steps import BetweenSteps
 from rollout.serving.gc_tuning import freeze_startup_heap
 from rollout.serving.model_identity import model_identity
 from rollout.serving.processes import exit_on_signal, spawn_child
@@ -120,7 +121,8 @@ class EngineWorker:
         self.active: set[int] = set()  # request ids the coordinator believes we own
         self.running = False
         self.exit_code = 0
-        self.counters = {"steps": 0, "requests": 0, "replies": 0, "partials": 0, "acks": 0}
+        self.counters = {"steps": 0, "requests": 0, "replies": 0, "partials": 0, "acks": 0,
+                         "steps_while_receiving": 0}  # fmt: skip
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -363,9 +365,10 @@ class EngineWorker:
         return self.sync is not None
 
     def _receive_weights(self, version: int, announcement: dict | None) -> dict:
-        """Take part in the trainer's broadcast of `version` (blocking this loop: no step runs
-        until the weights are applied or refused); heartbeats keep flowing meanwhile, and a
-        transfer the trainer aborted (a member died) ends here at once."""
+        """Take part in the trainer's broadcast of `version`: no new work is taken until the
+        weights are applied or refused (InferenceConfig.weight_update="pause": no step runs
+        either; "staged": the engine steps on and flips between two steps); heartbeats keep
+        flowing meanwhile, and a transfer the trainer aborted (a member died) ends here at once."""
         done = threading.Event()
         out: dict = {}
         load = self._load()
@@ -376,16 +379,36 @@ class EngineWorker:
             finally:
                 done.set()
 
+        staged = getattr(getattr(self.engine, "config", None), "weight_update", None) == "staged"
+        self.sync.between_steps = flips = BetweenSteps() if staged else None
         threading.Thread(target=run, name="rollout-weight-sync", daemon=True).start()
-        next_hb = time.monotonic() + self.heartbeat_s
-        while not done.wait(ABORT_CHECK_S):
-            with contextlib.suppress(Exception):  # a store gone: the transfer fails by itself
-                self.sync.watch_abort()
+        next_hb = next_check = time.monotonic()
+        while not done.is_set():
+            if flips is not None and self._step_while_receiving(flips):
+                load = self._load()
+            else:
+                done.wait(ABORT_CHECK_S)
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + ABORT_CHECK_S
+                with contextlib.suppress(Exception):  # a store gone: the transfer fails itself
+                    self.sync.watch_abort()
             if time.monotonic() >= next_hb:
                 self._send(Headers.HEARTBEAT, load)  # the coordinator must not think we died
                 next_hb = time.monotonic() + self.heartbeat_s
+        if flips is not None:
+            flips.run_pending()  # nothing is left waiting once the sync thread is done
         self._last_recv = time.monotonic()
         return out
+
+    def _step_while_receiving(self, flips: BetweenSteps) -> bool:
+        """A staged update: the flip when it is handed over, else one step (False: idle)."""
+        if flips.run_pending():
+            return True
+        if self.paused or self.suspended is not None or not self.engine.has_unfinished_requests():
+            return False
+        self._step()
+        self.counters["steps_while_receiving"] += 1
+        return True
 
     # ---- stepping -----------------------------------------------------------------------
 

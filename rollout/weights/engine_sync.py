@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -47,7 +48,8 @@ class EngineWeightSync:
     the trailer). Backend ipc: it maps the sealed buckets the announcement lists, verifies them
     all, then applies. Either way weights are applied with `engine.update_weights` only after
     everything verified, and the ack carries the checksum of exactly what was received, which
-    the trainer compares with its own."""
+    the trainer compares with its own. With `between_steps` set (a staged engine), the verified
+    weights are staged on the receiving thread and only the flip runs on the engine's."""
 
     def __init__(self, engine: Any, info: dict, key: bytes | None = None):
         self.engine = engine
@@ -61,6 +63,8 @@ class EngineWeightSync:
         self.abort: Abort | None = None
         self.received: tuple[int, int] | None = None  # (version, digest) of the last applied
         self._active: Any = None  # the receiver of the transfer in progress
+        # staged updates (rollout.serving.between_steps): runs the flip on the engine's thread
+        self.between_steps: Callable[[Callable[[], Any]], Any] | None = None
 
     def _store(self) -> Any:
         if self.store is None:
@@ -150,7 +154,12 @@ class EngineWeightSync:
         manifest and checksums: rollout.weights.layout.transfer_digest), which the trainer
         compares with its own."""
         digest = self._active.digest
-        self.engine.update_weights(views, version)
+        if self.between_steps is None:
+            self.engine.update_weights(views, version)
+        else:  # staged: copied aside while the engine steps on, flipped between two steps
+            with self.engine.weight_stage.hold():
+                staged = self.engine.stage_weights(views, version)
+                self.between_steps(lambda: self.engine.flip_weights(staged))
         self.received = (version, digest)
 
     def watch_abort(self) -> bool:
