@@ -16,7 +16,7 @@ stamps each token with the version that really sampled it. First dispatches carr
 
 Message catalogue (C = client, Co = coordinator, E = engine); `SCHEMA` is authoritative:
 
-    CONNECT            C->Co   [auth_token]                   CONNECT_ACK   Co->C [client_id, num_engines, heartbeat_s]
+    CONNECT            C->Co   [auth_token]      CONNECT_ACK   Co->C [client_id, num_engines, heartbeat_s, max_frame_bytes]
     ENGINE_REGISTER    E->Co   [rank, capacity, weight_version, auth_token, block_size, model(identity dict),
                                 version_is_label(bool: its weights did not come through the weight path)]
     ENGINE_REGISTER_ACK Co->E  [engine_id, heartbeat_s, state, weight_version, max_frame_bytes]
@@ -162,7 +162,12 @@ _DISPATCH_FIELDS = (
 
 SCHEMA: dict[Headers, tuple[tuple[str, Any], ...]] = {
     Headers.CONNECT: (("auth_token", OPT_STR),),
-    Headers.CONNECT_ACK: (("client_id", INT), ("num_engines", INT), ("heartbeat_s", NUM)),
+    Headers.CONNECT_ACK: (
+        ("client_id", INT),
+        ("num_engines", INT),
+        ("heartbeat_s", NUM),
+        ("max_frame_bytes", INT),  # the largest frame it accepts: clients split bursts under it
+    ),
     Headers.ENGINE_REGISTER: (
         ("rank", INT),
         ("capacity", INT),

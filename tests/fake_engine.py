@@ -245,13 +245,14 @@ class Harness:
         self.workers: list[Any] = []
         self.threads: list[Any] = []
 
-    def add_engine(self, rank: int, auth_token: Any = _HARNESS_TOKEN, **fake: Any):
+    def add_engine(self, rank: int, auth_token: Any = _HARNESS_TOKEN, curve: bool | None = None,
+                   **fake: Any):  # fmt: skip
         if auth_token is _HARNESS_TOKEN:
             auth_token = self.auth_token
         config = FakeConfig(**fake)
         worker = EngineWorker(FakeEngine(config), self.address, rank, auth_token=auth_token,
                               block_size=config.block_size, capacity=config.max_requests,
-                              coordinator_timeout_s=5.0)  # fmt: skip
+                              coordinator_timeout_s=5.0, curve=curve)  # fmt: skip
         t = threading.Thread(target=_run_quietly, args=(worker,), daemon=True)
         t.start()
         self.workers.append(worker)

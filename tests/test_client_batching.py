@@ -74,7 +74,7 @@ async def test_bad_rows_in_a_batch_fail_only_their_own_request(client):
     sp = SamplingParams(num_tokens_to_generate=2)
     good = client.add_request([1, 2], sp)
     bad = client.add_request([3, 4], sp)
-    row = client._outbox[0]  # the first request already left; the second is queued
+    row = client._outbox[0][0]  # the first request already left; the second is queued
     row[3] = 0  # num_tokens_to_generate < 1: the coordinator refuses just this row
     with pytest.raises(RequestFailed, match="num_tokens_to_generate must be >= 1"):
         await bad
@@ -226,7 +226,7 @@ async def test_a_queued_row_that_cannot_be_encoded_fails_only_its_own_future(cli
     with the reason and the rest of the batch goes out."""
     sp = SamplingParams(num_tokens_to_generate=2)
     futs = [client.add_request([i + 1, 7], sp) for i in range(5)]
-    client._outbox[1][1] = "bad\ud800"  # futs[2]: corrupted after add_request checked it
+    client._outbox[1][0][1] = "bad\ud800"  # futs[2]: corrupted after add_request checked it
     with pytest.raises(RequestFailed, match=r"request \d+: cannot be sent: .*surrogates"):
         await asyncio.wait_for(futs[2], 10)
     others = await asyncio.wait_for(asyncio.gather(*(futs[:2] + futs[3:])), 10)

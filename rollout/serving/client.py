@@ -8,8 +8,18 @@ transition. Token prompts go on the wire packed (int32 bytes), never as msgpack 
 Sends are batched per event-loop turn: a turn's first submission leaves at once (a lone request
 waits for nothing), the rest of a burst leaves as SUBMIT_BATCH frames when the turn ends, and any
 other message flushes the queue first, so the coordinator sees everything in call order.
-A submission that cannot be encoded is refused by `add_request` itself (ValueError) before it is
-queued; should a queued row still fail to encode, only its own future fails.
+A submission that cannot be encoded, or that alone exceeds the coordinator's frame limit (learnt
+from its CONNECT_ACK), is refused by `add_request` itself (ValueError) before it is queued; bursts
+leave in frames under that limit, so no frame ever makes the coordinator drop the connection.
+Should a queued row still fail to encode, only its own future fails.
+
+A coordinator that forgot this client (it stalled past the coordinator's client timeout: a frozen
+container, a debugger; or its connection was reset) answers its next frame with "unknown peer".
+The client then handshakes again and resends every pending request (it keeps their wire rows until
+they resolve); what cannot be replayed fails with `ConnectionReset`: control signals in flight (they
+may or may not have been applied) and streams that already delivered tokens. A new handshake that
+is refused or unanswered within `handshake_timeout` fails everything pending. The link is CURVE-
+encrypted when the coordinator speaks CURVE (rollout.serving.curve).
 
 The auth token comes from the argument, a file, or the environment (rollout.serving.auth.resolve_token).
 """
@@ -29,6 +39,7 @@ import zmq
 
 from rollout.protocol import (
     CONTROL_HEADERS,
+    MAX_FRAME_BYTES,
     MAX_ROUTING_KEY_CHARS,
     Headers,
     ProtocolError,
@@ -46,7 +57,9 @@ from rollout.protocol import (
 from rollout.request import DynamicInferenceRequestRecord
 from rollout.sampling import SamplingParams
 from rollout.serving.auth import resolve_token
+from rollout.serving.curve import connect_dealer
 from rollout.serving.gc_tuning import freeze_startup_heap
+from rollout.serving.replies import FRAME_OVERHEAD, frame_bounds
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +84,14 @@ class ControlError(ClientError):
 
 class ClientStopped(ClientError):
     """The client stopped (or lost the coordinator) while this was still pending."""
+
+
+class ConnectionReset(ClientStopped):
+    """The coordinator forgot this client while this was pending and it cannot be replayed: a
+    control signal (it may or may not have been applied) or a stream that delivered tokens."""
+
+
+SUBMIT_ROW_OVERHEAD = 64  # bytes a submission row adds beyond its prompt, params and key
 
 
 @dataclass(slots=True)
@@ -121,9 +142,12 @@ class InferenceClient:
         coordinator_timeout: float = 60.0,
         freeze_gc: bool = True,
         auth_token_file: str | None = None,
+        curve: bool | None = None,
     ):
         """auth_token / auth_token_file: the coordinator's secret (else $ROLLOUT_AUTH_TOKEN or
-        the file named by $ROLLOUT_AUTH_TOKEN_FILE). freeze_gc: move the objects alive at `start()` out of the cyclic GC's reach
+        the file named by $ROLLOUT_AUTH_TOKEN_FILE). curve: encrypt the link with CURVE keyed
+        by the secret (rollout.serving.curve); None: whenever the address is not loopback, or
+        the coordinator speaks it. freeze_gc: move the objects alive at `start()` out of the cyclic GC's reach
         (rollout.serving.gc_tuning): full collections over torch's heap otherwise cost ~20 us per
         request at high rates. Switch off if the process relies on collecting cycles that
         already exist when the client starts."""
@@ -131,6 +155,14 @@ class InferenceClient:
             raise ValueError("handshake_timeout and coordinator_timeout must be > 0")
         self.address = address
         self.auth_token = resolve_token(auth_token, auth_token_file)
+        if curve is not None and not isinstance(curve, bool):
+            raise ValueError(f"curve must be True, False or None (by address), got {curve!r}")
+        if curve and self.auth_token is None:
+            raise ValueError("curve=True needs the coordinator's secret (auth_token)")
+        self.curve = curve
+        self.curve_active = False  # whether the link speaks CURVE (known once started)
+        self.max_frame_bytes = MAX_FRAME_BYTES  # the coordinator's, from its CONNECT_ACK
+        self.rejoins = 0  # new handshakes after the coordinator forgot this client
         self.handshake_timeout = handshake_timeout
         self.coordinator_timeout = coordinator_timeout
         self.freeze_gc = freeze_gc
@@ -145,11 +177,15 @@ class InferenceClient:
         self._ids = itertools.count(1)
         self._futures: dict[int, asyncio.Future] = {}
         self._streams: dict[int, asyncio.Queue] = {}
-        self._submit_time: dict[int, float] = {}
+        # pending requests: (submit time, wire row, row bytes), kept to resend after a rejoin
+        self._pending: dict[int, tuple[float, list, int]] = {}
+        self._streamed: set[int] = set()  # streams that delivered tokens (cannot be replayed)
+        self._rejoin: asyncio.TimerHandle | None = None  # set while handshaking again
+        self._deferred: list[bytes] = []  # other frames sent while handshaking again
         self._controls: dict[int, asyncio.Future] = {}
         self._stats: dict[int, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
-        self._outbox: list[list] = []  # SUBMIT rows waiting for this loop turn's flush
+        self._outbox: list[tuple[list, int]] = []  # (row, bytes) for this loop turn's flush
         self._turn_open = False  # a submission already left during this loop turn
         self._kick_pending = False
         self._last_recv = 0.0
@@ -166,25 +202,29 @@ class InferenceClient:
         """Connect and handshake; ConnectionError on timeout, PermissionError if refused."""
         self._loop = asyncio.get_running_loop()
         self._ctx = zmq.Context()
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.connect(self.address)
+        t0 = time.monotonic()
+        # in a thread: on loopback it may wait for ZeroMQ's handshake to learn whether the
+        # coordinator speaks CURVE
+        sock, self.curve_active = await asyncio.to_thread(
+            connect_dealer, self._ctx, self.address, self.auth_token, self.curve,
+            self.handshake_timeout,
+        )  # fmt: skip
         self._sock = sock
         self._handshake = self._loop.create_future()
         # A plain socket watched by the event loop: sends and receive-drains are direct calls,
         # with none of zmq.asyncio's per-message futures (which cost more than the message).
         self._loop.add_reader(sock.FD, self._on_readable)
         self._send(encode(Headers.CONNECT, self.auth_token), _starting=True)
+        left = max(0.5, self.handshake_timeout - (time.monotonic() - t0))
         try:
-            header, fields = await asyncio.wait_for(self._handshake, self.handshake_timeout)
+            header, fields = await asyncio.wait_for(self._handshake, left)
         except asyncio.TimeoutError:
             self._close_socket()
             raise ConnectionError(
                 f"no CONNECT_ACK from coordinator at {self.address} "
                 f"within {self.handshake_timeout}s (is it running? refusals of bad auth tokens "
-                f"are rate-limited, so a wrong token can also go unanswered)"
+                f"are rate-limited, so a wrong token can also go unanswered; a coordinator that "
+                f"speaks CURVE refuses peers without its secret silently)"
             ) from None
         if header is Headers.ERROR:
             self._close_socket()
@@ -192,7 +232,7 @@ class InferenceClient:
         if header is not Headers.CONNECT_ACK:
             self._close_socket()
             raise ConnectionError(f"bad handshake reply from coordinator: {header.name}")
-        self.client_id, self.num_engines, self.heartbeat_s = fields
+        self.client_id, self.num_engines, self.heartbeat_s, self.max_frame_bytes = fields
         self._last_recv = time.monotonic()
         self._started = True
         if self.freeze_gc:
@@ -203,6 +243,9 @@ class InferenceClient:
     def _send(self, frame: bytes, _starting: bool = False) -> None:
         if self._sock is None or self._stopped or not (self._started or _starting):
             raise ClientStopped("client is not started or already stopped")
+        if self._rejoin is not None and not _starting:
+            self._deferred.append(frame)  # sent once the coordinator knows us again
+            return
         if self._outbox:
             self._flush()  # keep order: queued submissions go before this message
         self._sock.send(frame, zmq.NOBLOCK)  # SNDHWM=0: never blocks
@@ -214,10 +257,13 @@ class InferenceClient:
 
     def _flush(self) -> None:
         """Send the submissions queued this loop turn: one frame, or a few for a huge burst."""
-        rows, self._outbox = self._outbox, []
-        if self._sock is None or self._stopped or not rows:
-            return
-        frames = self._submit_frames(rows)
+        entries, self._outbox = self._outbox, []
+        if self._sock is None or self._stopped or not entries or self._rejoin is not None:
+            return  # while handshaking again, the rows wait in _pending
+        self._send_submissions(entries)
+
+    def _send_submissions(self, entries: list[tuple[list, int]]) -> None:
+        frames = self._submit_frames(entries)
         try:
             for frame in frames:
                 self._sock.send(frame, zmq.NOBLOCK)
@@ -226,13 +272,24 @@ class InferenceClient:
             return
         self._kick_soon()
 
-    def _submit_frames(self, rows: list[list]) -> list[bytes]:
-        """The frames for queued rows. add_request checked each row, so this cannot fail; if it
-        does anyway, the rows go one frame each and a row that cannot be encoded fails alone."""
+    def _submit_frames(self, entries: list[tuple[list, int]]) -> list[bytes]:
+        """The frames for queued (row, bytes) entries, each under the coordinator's frame limit
+        (a row too large for it fails alone: only a limit lowered since it was queued does
+        that). add_request checked each row, so encoding cannot fail; if it does anyway, the
+        rows go one frame each and a row that cannot be encoded fails alone."""
+        fit = [(row, size) for row, size in entries if self._fits(row[0], size)]
+        rows = [row for row, _ in fit]
         try:
             if len(rows) == 1:
                 return [encode_trusted(Headers.SUBMIT_REQUEST, *rows[0])]
-            return batch_frames(Headers.SUBMIT_BATCH, rows)
+            bounds = frame_bounds([size for _, size in fit], self.max_frame_bytes)
+            frames = []
+            for start, stop in bounds:
+                if stop - start == 1:
+                    frames.append(encode_trusted(Headers.SUBMIT_REQUEST, *rows[start]))
+                else:
+                    frames += batch_frames(Headers.SUBMIT_BATCH, rows[start:stop])
+            return frames
         except Exception:
             pass
         frames = []
@@ -243,9 +300,19 @@ class InferenceClient:
                 self._fail_request(row[0], RequestFailed(f"request {row[0]}: cannot be sent: {e}"))
         return frames
 
+    def _fits(self, crid: int, size: int) -> bool:
+        if size + FRAME_OVERHEAD <= self.max_frame_bytes:
+            return True
+        self._fail_request(crid, RequestFailed(self._too_large(crid, size)))
+        return False
+
+    def _too_large(self, crid: int, size: int) -> str:
+        return (f"request {crid} is {size} bytes on the wire, over the coordinator's frame "
+                f"limit (max_frame_bytes={self.max_frame_bytes}): send a shorter prompt")  # fmt: skip
+
     def _fail_request(self, crid: int, exc: ClientError) -> None:
         fut = self._futures.pop(crid, None)
-        self._submit_time.pop(crid, None)
+        self._pending.pop(crid, None)
         self._finish_stream(crid)
         if fut is not None and not fut.done():
             fut.set_exception(exc)
@@ -310,12 +377,17 @@ class InferenceClient:
             raise ValueError(f"sampling_params cannot be sent: {e}") from None
         if self._sock is None or self._stopped or not self._started:
             raise ClientStopped("client is not started or already stopped")
+        size = _row_bytes(wire_prompt, sp_bytes, routing_key)
         crid = next(self._ids)
+        if size + FRAME_OVERHEAD > self.max_frame_bytes:
+            raise ValueError(self._too_large(crid, size))
         row = [crid, wire_prompt, sp_bytes, sp.num_tokens_to_generate, bool(_stream), routing_key]
-        if self._turn_open:
+        if self._rejoin is not None:
+            pass  # handshaking again: sent with the other pending rows once acked
+        elif self._turn_open:
             # the rest of this loop turn's burst leaves as SUBMIT_BATCH frames when the turn
             # ends (or before any other message, so ordering holds): one socket send per burst
-            self._outbox.append(row)
+            self._outbox.append((row, size))
         else:  # the turn's first submission leaves at once: a lone request waits for nothing
             self._send(encode_trusted(Headers.SUBMIT_REQUEST, *row))  # raises before registering
             self._turn_open = True
@@ -323,7 +395,7 @@ class InferenceClient:
         fut = RequestFuture(loop=self._loop)
         fut.request_id = crid
         self._futures[crid] = fut
-        self._submit_time[crid] = time.monotonic()
+        self._pending[crid] = (time.monotonic(), row, size)
         if _stream:
             self._streams[crid] = asyncio.Queue()
         return fut
@@ -344,6 +416,7 @@ class InferenceClient:
             yield await fut
         finally:
             self._streams.pop(crid, None)
+            self._streamed.discard(crid)
             if not fut.done() and not self._stopped:
                 self.abort(crid)
 
@@ -352,7 +425,9 @@ class InferenceClient:
         crid = request if isinstance(request, int) else getattr(request, "request_id", None)
         if crid is None:
             raise ValueError("abort() takes a request id or a future from add_request()")
-        if crid in self._futures:
+        if crid in self._futures and self._rejoin is not None:  # not on the coordinator now
+            self._fail_request(crid, RequestAborted(f"request {crid}: aborted before it ran"))
+        elif crid in self._futures:
             self._send(encode(Headers.ABORT_REQUEST, crid))
 
     # ---- control ------------------------------------------------------------------------
@@ -407,6 +482,7 @@ class InferenceClient:
             for crid, tokens, log_probs, versions, extra in fields[0]:
                 q = self._streams.get(crid)
                 if q is not None:
+                    self._streamed.add(crid)
                     q.put_nowait(
                         Partial(
                             unpack_tokens(tokens),
@@ -427,6 +503,8 @@ class InferenceClient:
             self._on_error(*fields)
         elif header is Headers.HEARTBEAT:
             self._on_membership(fields[0])
+        elif header is Headers.CONNECT_ACK and self._rejoin is not None:
+            self._rejoined(fields)
         else:
             log.warning("client ignored unexpected %s", header.name)
 
@@ -442,7 +520,7 @@ class InferenceClient:
 
     def _resolve(self, crid: int, blob: bytes) -> None:
         fut = self._futures.pop(crid, None)
-        t0 = self._submit_time.pop(crid, None)
+        sent = self._pending.pop(crid, None)
         if self._streams:
             self._finish_stream(crid)
         if fut is None or fut.done():
@@ -452,8 +530,8 @@ class InferenceClient:
         except ValueError as e:
             fut.set_exception(RequestFailed(f"request {crid}: undecodable record: {e}"))
             return
-        if t0 is not None:
-            record.latency = time.monotonic() - t0
+        if sent is not None:
+            record.latency = time.monotonic() - sent[0]
         fut.set_result(record)
 
     def _finish_stream(self, crid: int) -> None:
@@ -462,11 +540,18 @@ class InferenceClient:
             q.put_nowait(_DONE)
 
     def _on_error(self, ref_header: int | None, ref_id: int | None, message: str) -> None:
+        if message.startswith("unknown peer"):  # the coordinator forgot us: join again
+            self._start_rejoin(message)
+            return
+        if ref_header == Headers.CONNECT and self._rejoin is not None:
+            self._end_rejoin(ClientStopped(f"coordinator refused this client's new handshake "
+                                           f"(it had forgotten it): {message}"))  # fmt: skip
+            return
         if ref_header in (Headers.SUBMIT_REQUEST, Headers.ABORT_REQUEST):
             fut = self._futures.get(ref_id)
             if fut is not None and (ref_header == Headers.SUBMIT_REQUEST or "aborted" in message):
                 self._futures.pop(ref_id)
-                self._submit_time.pop(ref_id, None)
+                self._pending.pop(ref_id, None)
                 self._finish_stream(ref_id)
                 if not fut.done():
                     exc = RequestFailed if ref_header == Headers.SUBMIT_REQUEST else RequestAborted
@@ -478,10 +563,60 @@ class InferenceClient:
                 fut.set_exception(ControlError(f"{Headers(ref_header).name}: {message}"))
                 return
         self.errors.append(message)
-        if ref_header is None and message.startswith("unknown peer"):
-            # the coordinator dropped us (it thought we vanished): nothing pending will resolve
-            self._fail_all(ClientStopped(f"coordinator no longer knows this client: {message}"))
         log.warning("coordinator error: %s", message)
+
+    # ---- joining again --------------------------------------------------------------------
+
+    def _start_rejoin(self, why: str) -> None:
+        """Handshake again; pending requests wait in `_pending` and are resent once acked. One
+        notice is enough: later ones (answers to frames sent before the new CONNECT) are moot."""
+        if self._rejoin is not None or self._stopped or not self._started:
+            return
+        log.warning("coordinator at %s forgot this client (%s): joining again", self.address, why)
+        self.errors.append(why)
+        self._outbox = []  # those rows are in _pending too
+        lost = "the coordinator forgot this client"
+        for crid in [c for c in self._streamed if c in self._futures]:
+            self._fail_request(crid, ConnectionReset(
+                f"request {crid}: {lost} while it streamed; its tokens so far stand, the rest "
+                f"is lost"))  # fmt: skip
+        for cid, fut in self._controls.items():
+            if not fut.done():
+                fut.set_exception(ConnectionReset(
+                    f"control {cid}: {lost} before it was acknowledged; it may or may not have "
+                    f"been applied (repeating it is safe)"))  # fmt: skip
+        self._controls.clear()
+        self._deferred = [encode(Headers.STATS, sid) for sid in self._stats]
+        self._rejoin = self._loop.call_later(self.handshake_timeout, self._end_rejoin,
+            ClientStopped(f"{lost} at {self.address} and it did not answer a new handshake "
+                          f"within {self.handshake_timeout}s"))  # fmt: skip
+        try:
+            self._send(encode(Headers.CONNECT, self.auth_token), _starting=True)
+        except zmq.ZMQError as e:
+            self._end_rejoin(ClientStopped(f"{lost} and the new handshake failed: {e}"))
+
+    def _rejoined(self, fields: list) -> None:
+        """CONNECT_ACK of the new handshake: resend what is pending, then what waited."""
+        self._rejoin.cancel()
+        self._rejoin = None
+        self.rejoins += 1
+        self.client_id, self.num_engines, self.heartbeat_s, self.max_frame_bytes = fields
+        entries = [(row, size) for _, row, size in self._pending.values()]
+        deferred, self._deferred = self._deferred, []
+        if entries:
+            self._send_submissions(entries)
+        for frame in deferred:
+            with contextlib.suppress(zmq.ZMQError):
+                self._send(frame)
+
+    def _end_rejoin(self, exc: ClientStopped) -> None:
+        """The new handshake failed: everything pending fails with `exc`. A later notice from
+        the coordinator starts another attempt."""
+        if self._rejoin is not None:
+            self._rejoin.cancel()
+        self._rejoin = None
+        self._deferred = []
+        self._fail_all(exc)
 
     async def _heartbeat_loop(self) -> None:
         hb = encode(Headers.HEARTBEAT, {})
@@ -489,8 +624,9 @@ class InferenceClient:
             await asyncio.sleep(self.heartbeat_s)  # a timer, not a poll: receives never wait on it
             if time.monotonic() - self._last_recv > self.coordinator_timeout:
                 self._fail_all(ClientStopped(f"coordinator at {self.address} stopped answering"))
-            with contextlib.suppress(zmq.ZMQError):
-                self._send(hb)
+            if self._rejoin is None:  # a heartbeat is how a forgotten client learns it
+                with contextlib.suppress(zmq.ZMQError):
+                    self._send(hb)
 
     # ---- teardown -----------------------------------------------------------------------
 
@@ -505,13 +641,16 @@ class InferenceClient:
             table.clear()
         for crid in list(self._streams):
             self._finish_stream(crid)
-        self._submit_time.clear()
+        self._pending.clear()
 
     def stop(self) -> None:
         """Fail everything pending with ClientStopped, say goodbye, close the socket."""
         if self._stopped:
             return
         self._outbox = []  # never sent: those futures fail below like every other pending one
+        if self._rejoin is not None:
+            self._rejoin.cancel()
+            self._rejoin = None
         if self._sock is not None and self._started:
             with contextlib.suppress(zmq.ZMQError, ClientStopped):
                 self._send(encode(Headers.DISCONNECT))
@@ -537,6 +676,14 @@ class InferenceClient:
 
     async def __aexit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def _row_bytes(prompt: str | bytes, sp_bytes: bytes, routing_key: str | None) -> int:
+    """An upper bound of a submission row's size on the wire."""
+    size = SUBMIT_ROW_OVERHEAD + len(sp_bytes)
+    for text in (prompt, routing_key or ""):
+        size += len(text) if type(text) is bytes or text.isascii() else len(text.encode())
+    return size
 
 
 def _check_routing_key(key: Any) -> None:

@@ -58,6 +58,7 @@ from rollout.protocol import (
 from rollout.request import DynamicInferenceRequestRecord
 from rollout.sampling import SamplingParams
 from rollout.serving.between_steps import BetweenSteps
+from rollout.serving.curve import connect_dealer
 from rollout.serving.gc_tuning import freeze_startup_heap
 from rollout.serving.model_identity import model_identity
 from rollout.serving.processes import exit_on_signal, spawn_child
@@ -104,6 +105,7 @@ class EngineWorker:
         coordinator_timeout_s: float = 30.0,
         register_timeout_s: float = 30.0,
         weight_sync: dict | None = None,
+        curve: bool | None = None,
     ):
         self.engine = engine
         self.address = address
@@ -124,11 +126,9 @@ class EngineWorker:
         self.counters = {"steps": 0, "requests": 0, "replies": 0, "partials": 0, "acks": 0,
                          "steps_while_receiving": 0}  # fmt: skip
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
-        self.sock.connect(address)
+        # CURVE (rollout.serving.curve) beyond loopback, or when the coordinator speaks it
+        self.sock, self.curve = connect_dealer(self.ctx, address, auth_token, curve,
+                                               register_timeout_s)  # fmt: skip
         self._last_recv = time.monotonic()
         self._next_hb = 0.0
         self.sync = (EngineWeightSync(engine, weight_sync, weight_key(auth_token))

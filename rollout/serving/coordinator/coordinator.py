@@ -40,6 +40,7 @@ from rollout.serving.coordinator.peers import ClientPeer, EnginePeer, Pending, P
 from rollout.serving.coordinator.requests import RequestPath
 from rollout.serving.coordinator.routing import Router
 from rollout.serving.coordinator.state import CoordinatorState, InvalidTransition, next_state
+from rollout.serving.curve import secure_router, server_uses_curve
 from rollout.serving.gc_tuning import freeze_startup_heap
 from rollout.serving.model_identity import refusal, summary
 from rollout.serving.processes import exit_on_signal, spawn_child
@@ -75,6 +76,12 @@ class DataParallelInferenceCoordinator:
         # zmq refuses a bigger frame from its size header and drops that connection, before
         # buffering it: a peer cannot make us hold a huge frame it trickles in
         self.socket.setsockopt(zmq.MAXMSGSIZE, cfg.max_frame_bytes)
+        self.counters: Counter[str] = Counter()
+        # CURVE beyond loopback (rollout.serving.curve): strangers fail ZeroMQ's handshake
+        self.curve = server_uses_curve(cfg.host, self.auth_token, cfg.curve)
+        self.zap = (
+            secure_router(self.socket, self.auth_token, self.counters) if self.curve else None
+        )
         if cfg.port:
             self.socket.bind(f"tcp://{cfg.host}:{cfg.port}")
             port = cfg.port
@@ -97,7 +104,6 @@ class DataParallelInferenceCoordinator:
         self.requests: dict[int, Pending] = {}
         self.orphans: dict[int, Pending] = {}  # waiting for a live engine
         self.controls: dict[int, PendingControl] = {}
-        self.counters: Counter[str] = Counter()
         self.schedule: list[dict] = []  # routing decisions, for config.schedule_output_path
         self.request_path = RequestPath(
             cfg, self.router, self.engines, self.clients, self.requests, self.orphans,
@@ -177,10 +183,14 @@ class DataParallelInferenceCoordinator:
         sock, tick = self.socket, self.config.heartbeat_s / 2
         poller = zmq.Poller()  # one Poller for the loop: Socket.poll builds a new one per call
         poller.register(sock, zmq.POLLIN)
+        if self.zap is not None:  # CURVE handshakes wait for its verdicts
+            poller.register(self.zap.socket, zmq.POLLIN)
         next_tick = time.monotonic() + tick
         while self._running:
             wait_ms = max(0, int((next_tick - time.monotonic()) * 1000))
             if poller.poll(wait_ms):
+                if self.zap is not None:
+                    self.zap.answer()
                 for _ in range(4096):
                     try:
                         parts = sock.recv_multipart(zmq.NOBLOCK)
@@ -202,6 +212,8 @@ class DataParallelInferenceCoordinator:
         self._running = False
         self.write_schedule()
         self.socket.close(linger=0)
+        if self.zap is not None:
+            self.zap.close()
         self.ctx.term()
 
     def write_schedule(self) -> None:
@@ -336,9 +348,9 @@ class DataParallelInferenceCoordinator:
             self.clients[identity] = client
             self.counters["clients_connected"] += 1
         live = sum(not e.stopped for e in self.engines.values())
-        self._send(
-            identity, encode(Headers.CONNECT_ACK, client.client_id, live, self.config.heartbeat_s)
-        )
+        ack = encode(Headers.CONNECT_ACK, client.client_id, live, self.config.heartbeat_s,
+                     self.config.max_frame_bytes)  # fmt: skip
+        self._send(identity, ack)
 
     def _on_register(self, identity: bytes, fields: list) -> None:
         rank, capacity, version, token, block_size, model, version_is_label = fields

@@ -1,0 +1,319 @@
+"""The coordinator's links: CURVE encryption and authentication beyond loopback, frames bounded by
+bytes, and clients that join again after the coordinator forgot them.
+
+Real sockets throughout: a coordinator and fake engines on threads of this process
+(tests/fake_engine.Harness), and for the wire checks a man-in-the-middle TCP proxy that records
+every byte between a client and the coordinator. "Beyond loopback" is any address but 127.0.0.1,
+::1 and localhost, so 127.0.0.2 (routed to lo on Linux) stands for another host's interface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+import zmq
+from fake_engine import Harness, expected_tokens, wait_for
+
+from rollout.protocol import Headers, decode, encode, pack_tokens
+from rollout.sampling import SamplingParams
+from rollout.serving.client import ConnectionReset, InferenceClient
+from rollout.serving.curve import curve_keys, host_of, is_loopback, server_uses_curve
+
+pytestmark = pytest.mark.timeout(120)
+
+SP = SamplingParams(num_tokens_to_generate=4)
+ELSEWHERE = "127.0.0.2"  # not 127.0.0.1/::1/localhost: counts as beyond loopback
+
+
+class RecordingProxy:
+    """A TCP proxy in front of `target` that keeps every byte it forwards, both ways."""
+
+    def __init__(self, target: str, host: str = ELSEWHERE) -> None:
+        self.target = target.removeprefix("tcp://").rsplit(":", 1)
+        self.listener = socket.create_server((host, 0))
+        self.address = f"tcp://{host}:{self.listener.getsockname()[1]}"
+        self.captured = bytearray()
+        self.lock = threading.Lock()
+        self.sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                down, _ = self.listener.accept()
+            except OSError:
+                return
+            up = socket.create_connection((self.target[0], int(self.target[1])))
+            self.sockets += [down, up]
+            for a, b in ((down, up), (up, down)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+        while True:
+            try:
+                data = src.recv(65536)
+                if not data:
+                    return
+                with self.lock:
+                    self.captured += data
+                dst.sendall(data)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self.listener.close()
+        for s in self.sockets:
+            s.close()
+
+
+# ---- finding 3: encrypted, mutually authenticated transport ---------------------------------
+
+
+def test_keys_are_derived_from_the_secret_alone():
+    a, b = curve_keys("secret-a"), curve_keys("secret-b")
+    assert curve_keys("secret-a") == a and a != b
+    assert len({a.server_public, a.client_public, b.server_public, b.client_public}) == 4
+    assert zmq.curve_public(a.server_secret) == a.server_public
+
+
+def test_curve_is_on_beyond_loopback_and_by_option():
+    assert [is_loopback(h) for h in ("127.0.0.1", "::1", "[::1]", "localhost")] == [True] * 4
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "127.0.0.2", "10.0.0.1", "node0", "::"))
+    assert host_of("tcp://[::1]:5555") == "::1" and host_of("tcp://0.0.0.0:1") == "0.0.0.0"
+    assert server_uses_curve("0.0.0.0", "t", None) and not server_uses_curve("127.0.0.1", "t", None)
+    assert server_uses_curve("127.0.0.1", "t", True) and not server_uses_curve(
+        "10.0.0.1", "t", False
+    )
+    assert not server_uses_curve("0.0.0.0", None, None)  # no secret: nothing to key it with
+    with pytest.raises(ValueError, match="curve=True needs a shared secret"):
+        server_uses_curve("0.0.0.0", None, True)
+    with pytest.raises(ValueError, match="curve=True needs the coordinator's secret"):
+        InferenceClient("tcp://127.0.0.1:1", curve=True)
+
+
+async def _round_trip_through_proxy(h: Harness, **client_kw) -> tuple[bytes, list[int]]:
+    """One CONNECT and one text request through a recording proxy: (bytes seen, tokens)."""
+    proxy = RecordingProxy(h.address)
+    try:
+        client = await InferenceClient(proxy.address, auth_token=h.auth_token, **client_kw).start()
+        record = await asyncio.wait_for(client.add_request(PROMPT, SP), 10)
+        client.stop()
+        with proxy.lock:
+            return bytes(proxy.captured), record.merge().generated_tokens
+    finally:
+        proxy.close()
+
+
+PROMPT = "the-known-prompt: tell me the launch codes"
+
+
+@pytest.mark.parametrize("curve", [None, False], ids=["default-curve", "curve-off"])
+async def test_no_secret_or_prompt_crosses_the_network_in_clear(curve):
+    """A coordinator bound beyond loopback speaks CURVE by default: a recording proxy between
+    client and coordinator sees neither the secret nor the prompt (and both with curve=False,
+    which shows the capture would catch them)."""
+    h = Harness(host=ELSEWHERE, curve=curve)
+    try:
+        h.add_engine(0, curve=curve)
+        h.wait_engines(1)
+        captured, tokens = await _round_trip_through_proxy(h, curve=curve)
+        assert tokens == expected_tokens([ord(c) % 1000 for c in PROMPT], 4)
+        secret, prompt = h.auth_token.encode(), PROMPT.encode()
+        if curve is None:
+            assert secret not in captured and prompt not in captured
+            assert b"CURVE" in captured  # the ZMTP greeting names the mechanism
+            assert h.coord.curve and h.workers[0].curve
+        else:
+            assert secret in captured and prompt in captured
+    finally:
+        h.close()
+
+
+async def test_a_loopback_peer_switches_to_curve_when_the_coordinator_speaks_it():
+    """`curve=True` on loopback (or `--host 0.0.0.0` reached through 127.0.0.1): clients and
+    engines given a loopback address find out and encrypt too."""
+    h = Harness(curve=True)
+    try:
+        assert h.address.startswith("tcp://127.0.0.1:")
+        h.add_engine(0)
+        h.wait_engines(1)
+        client = await h.client()
+        assert client.curve_active and h.workers[0].curve
+        record = await asyncio.wait_for(client.add_request([5, 6], SP), 10)
+        assert record.merge().generated_tokens == expected_tokens([5, 6], 4)
+        client.stop()
+    finally:
+        h.close()
+
+
+def _curve_dealer(ctx: zmq.Context, address: str, keys: tuple[bytes, bytes] | None,
+                  server_public: bytes | None) -> zmq.Socket:  # fmt: skip
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        s.curve_publickey, s.curve_secretkey = keys
+        s.curve_serverkey = server_public
+    s.connect(address)
+    return s
+
+
+async def test_a_peer_without_the_secret_is_refused_before_any_message():
+    """Clear text, CURVE keyed by another secret, and CURVE with the right server key (leaked)
+    but a key pair of its own: none gets a single frame to the coordinator, even a CONNECT
+    carrying the right token."""
+    h = Harness(host=ELSEWHERE)
+    ctx = zmq.Context()
+    real, other = curve_keys(h.auth_token), curve_keys("not-the-secret")
+    strangers = [
+        _curve_dealer(ctx, h.address, None, None),
+        _curve_dealer(
+            ctx, h.address, (other.client_public, other.client_secret), other.server_public
+        ),
+        _curve_dealer(ctx, h.address, zmq.curve_keypair(), real.server_public),
+    ]
+    try:
+        for s in strangers:
+            for frame in (encode(Headers.CONNECT, h.auth_token), encode(Headers.HEARTBEAT, {}),
+                          encode(Headers.ENGINE_REGISTER, 0, 8, 0, h.auth_token, 16)):  # fmt: skip
+                s.send(frame)
+        c = h.coord.counters
+        await _wait(lambda: c["curve_refused"] >= 1, "the stolen-server-key peer refused")
+        h.add_engine(0)
+        h.wait_engines(1)
+        client = await h.client()
+        record = await asyncio.wait_for(client.add_request([1, 2], SP), 10)
+        assert record.merge().generated_tokens == expected_tokens([1, 2], 4)
+        assert all(not s.poll(200) for s in strangers), "a stranger got an answer"
+        assert len(h.coord.clients) == 1 and len(h.coord.engines) == 1
+        for name in ("unknown_peer", "auth_failures", "malformed", "unauthenticated_oversize"):
+            assert c[name] == 0, f"{name}: a stranger's frame reached the coordinator"
+        assert c["curve_admitted"] == 2  # the engine and the client
+        client.stop()
+    finally:
+        for s in strangers:
+            s.close(0)
+        ctx.term()
+        h.close()
+
+
+async def _wait(pred, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+# ---- finding 7: frames bounded by bytes ---------------------------------------------------------
+
+LIMIT = 64 * 1024
+
+
+async def test_a_burst_larger_than_the_frame_limit_goes_in_frames_under_it():
+    """40 requests of 12 KB each in one loop turn (~480 KB, the limit 64 KB) all complete; a
+    request that alone exceeds the limit is refused at once with a ValueError naming it, and
+    nothing else is affected (before: one oversize frame, the connection dropped, every later
+    request hung)."""
+    h = Harness(max_frame_bytes=LIMIT)
+    try:
+        h.add_engine(0)
+        h.wait_engines(1)
+        client = await h.client()
+        assert client.max_frame_bytes == LIMIT  # from its CONNECT_ACK
+        prompts = [[i + 1] * 3000 for i in range(40)]
+        futures = [client.add_request(p, SP) for p in prompts]
+        with pytest.raises(
+            ValueError, match=r"over the coordinator's frame limit \(max_frame_bytes=65536\)"
+        ):
+            client.add_request(list(range(20_000)), SP)
+        futures.append(client.add_request([7, 8], SP))
+        records = await asyncio.wait_for(asyncio.gather(*futures), 30)
+        assert [r.merge().generated_tokens for r in records] == [
+            expected_tokens(p, 4) for p in [*prompts, [7, 8]]
+        ]
+        assert client.rejoins == 0 and h.coord.counters["clients_connected"] == 1
+        client.stop()
+    finally:
+        h.close()
+
+
+# ---- finding 15: a forgotten client joins again ----------------------------------------------
+
+
+async def test_a_client_the_coordinator_forgot_joins_again_and_resends():
+    """The client's loop is blocked past the coordinator's client timeout (a frozen process):
+    the coordinator forgets it and aborts its request. When it runs again, its pending request
+    and new ones complete (before: they hung for good while the coordinator answered others)."""
+    h = Harness(client_timeout_s=1.0)
+    try:
+        h.add_engine(0, step_delay=0.02)
+        h.wait_engines(1)
+        client = await h.client()
+        pending = client.add_request([3, 1], SamplingParams(num_tokens_to_generate=40))
+        await asyncio.sleep(0)  # the request leaves
+        c = h.coord.counters
+        wait_for(lambda: c["clients_timed_out"] == 1, 30, "the client to be forgotten")  # blocks
+        assert not h.coord.clients
+        record = await asyncio.wait_for(pending, 15)
+        assert record.merge().generated_tokens == expected_tokens([3, 1], 40)
+        later = await asyncio.wait_for(client.add_request([9, 9], SP), 10)
+        assert later.merge().generated_tokens == expected_tokens([9, 9], 4)
+        assert client.rejoins == 1 and c["clients_connected"] == 2
+        client.stop()
+    finally:
+        h.close()
+
+
+async def test_what_cannot_be_replayed_fails_with_connection_reset():
+    """A control signal in flight when the coordinator forgot the client may or may not have
+    been applied: once the client learns it was forgotten, the control fails with
+    ConnectionReset (repeating it is the caller's call) instead of waiting forever."""
+    h = Harness(client_timeout_s=1.0, engine_timeout_s=60.0)
+    ctx = zmq.Context()
+    mute = _curve_dealer(ctx, h.address, None, None)  # an engine that never acks a control
+    try:
+        mute.send(encode(Headers.ENGINE_REGISTER, 0, 8, 0, h.auth_token, 16))
+        assert decode(mute.recv())[0] is Headers.ENGINE_REGISTER_ACK
+        client = await h.client()
+        control = client.pause_engines()
+        await asyncio.sleep(0)
+        wait_for(lambda: h.coord.counters["clients_timed_out"] == 1, 30, "the client forgotten")
+        with pytest.raises(ConnectionReset, match="may or may not have been applied"):
+            await asyncio.wait_for(control, 10)
+        assert (await asyncio.wait_for(client.stats(), 10))["clients"] == 1
+        assert client.rejoins == 1
+        client.stop()
+    finally:
+        mute.close(0)
+        ctx.term()
+        h.close()
+
+
+async def test_a_client_whose_connection_was_reset_joins_again():
+    """The coordinator's side of the connection is reset (a proxy restarts): the client comes
+    back under a new identity the coordinator does not know, and carries on."""
+    h = Harness()
+    proxy = RecordingProxy(h.address, host="127.0.0.1")
+    try:
+        h.add_engine(0)
+        h.wait_engines(1)
+        client = await InferenceClient(proxy.address, auth_token=h.auth_token).start()
+        assert (await asyncio.wait_for(client.add_request([4], SP), 10)).merge()
+        for s in proxy.sockets:
+            s.shutdown(socket.SHUT_RDWR)
+        record = await asyncio.wait_for(client.add_request([4, 4], SP), 15)
+        assert record.merge().generated_tokens == expected_tokens([4, 4], 4)
+        assert client.rejoins >= 1
+        client.stop()
+    finally:
+        proxy.close()
+        h.close()
+
+
+def test_connect_ack_tells_the_frame_limit():
+    ack = decode(encode(Headers.CONNECT_ACK, 1, 2, 0.5, LIMIT))[1]
+    assert ack == [1, 2, 0.5, LIMIT] and pack_tokens([1])
