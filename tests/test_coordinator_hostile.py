@@ -9,13 +9,17 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+import time
 
+import msgpack
 import psutil
 import pytest
 import zmq
-from fake_engine import Harness, expected_tokens, make_fake_engine, wait_until
+from fake_engine import Harness, expected_tokens, make_fake_engine, wait_for, wait_until
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from rollout.protocol import Headers, decode, encode
+from rollout.protocol import CONTROL_HEADERS, SCHEMA, Headers, Rows, decode, encode
 from rollout.sampling import SamplingParams
 from rollout.serving.client import InferenceClient
 from rollout.serving.coordinator import DataParallelInferenceCoordinator
@@ -269,3 +273,203 @@ async def test_garbage_flood_from_strangers_does_not_delay_a_request(served):
         for s in flooders:
             s.close(0)
         ctx.term()
+
+
+# ---- fuzzing the wire: every message type, from a client, an engine and a stranger -----------
+
+# What an authenticated client may legitimately do to the whole service (stop it, pause it) is
+# not fuzzed from the client: it would only show that authorized signals work.
+_SERVICE_WIDE = CONTROL_HEADERS | {Headers.SHUTDOWN}
+_INT = st.integers(-3, 40) | st.integers(-(2**63), 2**64 - 1)
+_FIELD = {
+    (int,): _INT,
+    (str,): st.text(max_size=12),
+    (bytes,): st.binary(max_size=40),
+    (bool,): st.booleans(),
+    (dict,): st.dictionaries(st.text(max_size=6), _INT | st.text(max_size=4), max_size=3),
+    (int, float): st.floats(allow_nan=True) | _INT,
+    (int, type(None)): st.none() | _INT,
+    (str, type(None)): st.none() | st.text(max_size=12),
+    (bytes, type(None)): st.none() | st.binary(max_size=16),
+    (dict, type(None)): st.none() | st.dictionaries(st.text(max_size=6), _INT, max_size=3),
+    (str, bytes): st.text(max_size=12) | st.binary(max_size=40),
+}
+_LEAF = st.none() | st.booleans() | _INT | st.text(max_size=4) | st.binary(max_size=4)
+
+
+def _field(types, typed: bool):
+    """A value of the schema's type, or (unless `typed`) of any other: well-typed frames reach
+    the handlers, ill-typed ones the decoder's checks."""
+    if isinstance(types, Rows):
+        row = st.tuples(*(_field(t, typed) for _, t in types.fields)).map(list)
+        rows = st.lists(row, max_size=3)
+        return rows if typed else rows | _LEAF
+    return _FIELD[types] if typed else _FIELD[types] | _LEAF
+
+
+def _shaped(headers: list[Headers], typed: bool) -> st.SearchStrategy[list[bytes]]:
+    return st.sampled_from(headers).flatmap(
+        lambda h: st.tuples(*(_field(t, typed) for _, t in SCHEMA[h])).map(
+            lambda fields: [msgpack.packb([int(h), *fields], use_bin_type=True)]
+        )
+    )
+
+
+def _frames(headers: list[Headers]) -> st.SearchStrategy[list[bytes]]:
+    """One message (usually one frame): well-typed fields, any fields, a well-typed frame with
+    a byte changed, random bytes, or several frames."""
+    typed = _shaped(headers, True)
+    flipped = st.tuples(typed, st.integers(0, 200), st.integers(0, 255)).map(
+        lambda t: [_flip(t[0][0], t[1], t[2])]
+    )
+    noise = st.binary(max_size=64).map(lambda b: [b])
+    several = st.lists(st.binary(max_size=16), min_size=2, max_size=3)
+    return typed | _shaped(headers, False) | flipped | noise | several
+
+
+def _flip(frame: bytes, i: int, value: int) -> bytes:
+    b = bytearray(frame)
+    b[i % len(b)] = value
+    return bytes(b)
+
+
+def _allowed(parts: list[bytes]) -> bool:
+    """False for a frame that decodes to a service-wide signal (see _SERVICE_WIDE)."""
+    try:
+        return decode(parts[0])[0] not in _SERVICE_WIDE if len(parts) == 1 else True
+    except Exception:
+        return True
+
+
+class _Fuzzers:
+    """An authenticated client and engine (raw DEALERs, rejoined when a fuzzed DISCONNECT
+    makes the coordinator forget them) and strangers, against an in-process coordinator."""
+
+    def __init__(self, h: Harness) -> None:
+        self.h, self.ctx, self.marks = h, zmq.Context(), 0
+        self.client = self.engine = None
+        self.strangers: list[zmq.Socket] = []
+
+    def join_client(self) -> None:
+        hello = encode(Headers.CONNECT, self.h.auth_token)
+        self.client = self._join(hello, Headers.CONNECT_ACK, self.client)
+
+    def join_engine(self) -> None:
+        hello = encode(Headers.ENGINE_REGISTER, 7, 8, 0, self.h.auth_token, 16)
+        self.engine = self._join(hello, Headers.ENGINE_REGISTER_ACK, self.engine)
+
+    def _join(self, hello: bytes, ack: Headers, old: zmq.Socket | None) -> zmq.Socket:
+        if old is not None:
+            old.close(0)  # a fresh identity: the old one may have collected failed handshakes
+        s = _dealer(self.ctx, self.h.address)
+        s.send(hello)
+        self._expect(s, lambda hd, f: hd is ack)
+        return s
+
+    def _expect(self, s: zmq.Socket, match, forgotten=lambda: False) -> bool:
+        """Wait for the frame `match` accepts (True), or learn that the coordinator no longer
+        knows this fuzzer (False): an "unknown peer" notice, or silence while `forgotten()` (an
+        identity that failed handshakes before it was forgotten is ignored, not answered)."""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if not s.poll(200):
+                if forgotten():
+                    return False
+                continue
+            header, fields = decode(s.recv())
+            if match(header, fields):
+                return True
+            if header is Headers.ERROR and fields[2].startswith("unknown peer"):
+                return False
+        raise TimeoutError("the coordinator stopped answering a fuzzer")
+
+    def sync(self) -> None:
+        """Every frame the client and engine sent so far has been handled: each sends a marker
+        only the coordinator's answer to it matches. A fuzzer that a fuzzed DISCONNECT made a
+        stranger learns it, and joins again."""
+        coord = self.h.coord
+        self.marks += 1
+        sid = 10**9 + self.marks
+        # KV_EVENTS bytes no fuzzed frame has (they have at most 40): a unique error, in a frame
+        # small enough to be read even from a stranger (so a forgotten engine hears "unknown")
+        n = 8 * (8 + self.marks) + 1
+        while True:
+            self.client.send(encode(Headers.STATS, sid))
+            if self._expect(self.client, lambda hd, f: hd is Headers.STATS_REPLY and f[0] == sid,
+                            lambda: not coord.clients):  # fmt: skip
+                break
+            self.join_client()
+        while True:
+            self.engine.send(encode(Headers.KV_EVENTS, b"\0" * n, False))
+            if self._expect(self.engine,
+                            lambda hd, f: hd is Headers.ERROR and f"length {n} " in f[2],
+                            lambda: len(coord.engines) < 2):  # fmt: skip
+                break
+            self.join_engine()
+
+    def stranger(self) -> zmq.Socket:
+        if len(self.strangers) >= 8:
+            self.strangers.pop(0).close(0)
+        self.strangers.append(_dealer(self.ctx, self.h.address))
+        return self.strangers[-1]
+
+    def close(self) -> None:
+        for s in (self.client, self.engine, *self.strangers):
+            if s is not None:
+                s.close(0)
+        self.ctx.term()
+
+
+_CLIENT_HEADERS = [h for h in Headers if h not in _SERVICE_WIDE]
+
+
+def test_fuzzed_frames_from_every_kind_of_peer_never_hurt_the_coordinator():
+    """Random and mutated frames of every message type from an authenticated client, an
+    authenticated engine and strangers: the coordinator never fails internally, its tables do
+    not grow beyond what the fuzzers legitimately hold, and a real client is served after."""
+    h = Harness(heartbeat_s=0.5, engine_timeout_s=30.0, refusals_per_s=1e4)
+    fuzz = _Fuzzers(h)
+    coord = h.coord
+    try:
+        h.add_engine(0)
+        h.wait_engines(1)
+        fuzz.join_client()
+        fuzz.join_engine()
+
+        @settings(max_examples=150, deadline=None)
+        @given(
+            st.lists(_frames(_CLIENT_HEADERS).filter(_allowed), max_size=3),
+            st.lists(_frames(list(Headers)), max_size=3),
+            st.lists(_frames(list(Headers)), max_size=3),
+        )
+        def run(from_client, from_engine, from_stranger):
+            stranger = fuzz.stranger()
+            for sock, messages in ((fuzz.client, from_client), (fuzz.engine, from_engine),
+                                   (stranger, from_stranger)):  # fmt: skip
+                for parts in messages:
+                    sock.send_multipart(parts)
+            fuzz.sync()
+            assert h.thread.is_alive() and coord._running
+            assert coord.counters["internal_errors"] == 0
+            assert len(coord.clients) == 1 and len(coord.engines) == 2
+            assert coord.state.value == "RUNNING"
+
+        run()
+        fuzz.engine.send(encode(Headers.DISCONNECT))  # its requests go to the real engine
+        wait_for(lambda: len(coord.engines) == 1, 10, "the fuzzing engine to leave")
+        wait_for(lambda: not coord.requests and not coord.orphans, 30, "fuzzed requests to end")
+        assert not coord.controls and len(coord.admission.failures) <= 150 * 3
+        assert coord.counters["internal_errors"] == 0
+
+        async def served() -> list[int]:
+            client = await h.client()
+            try:
+                record = await asyncio.wait_for(client.add_request([2, 7], SP), 10)
+                return record.merge().generated_tokens
+            finally:
+                client.stop()
+
+        assert asyncio.run(served()) == expected_tokens([2, 7], 4)
+    finally:
+        fuzz.close()
+        h.close()
