@@ -10,6 +10,9 @@ machine can read those): `rollout serve` takes it from `--auth-token-file` or th
 (ROLLOUT_AUTH_TOKEN, ROLLOUT_AUTH_TOKEN_FILE), or generates one per launch and writes it to a file
 only this user can read, whose path it prints; `rollout engine` reads the same file or variables.
 `rollout serve` restarts engines that die (`--max-restarts` per 10 minutes, with backoff).
+Beyond loopback every link is encrypted and authenticated with CURVE keyed by that same secret
+(rollout.serving.curve); `--curve` overrides the choice (and sets $ROLLOUT_CURVE for the processes
+it starts).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from rollout.sampling import VLLM_LOGPROBS_MODES
 from rollout.serving.auth import new_token, read_token_file, resolve_token
 from rollout.serving.cluster import EngineCluster
 from rollout.serving.coordinator.routing import POLICIES
+from rollout.serving.curve import ENV_CURVE
 from rollout.serving.factory import build_engine, tokenizer_from_source
 from rollout.serving.worker import EngineWorker
 
@@ -52,6 +56,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="no secret at all: any local process may join (trusted hosts only)",
     )
+    _add_curve_option(p)
     p.add_argument(
         "--max-restarts",
         type=int,
@@ -69,6 +74,22 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ready-timeout", type=float, default=300.0)
     _add_http_options(p)
     p.set_defaults(func=serve)
+
+
+def _add_curve_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--curve",
+        choices=("auto", "on", "off"),
+        default=None,
+        help="CURVE encryption of coordinator links, keyed by the secret (default: "
+        "$ROLLOUT_CURVE, else auto: on unless the address is 127.0.0.1, ::1 or localhost)",
+    )
+
+
+def _apply_curve(args: argparse.Namespace) -> None:
+    """--curve for this process and the ones it starts (they read $ROLLOUT_CURVE)."""
+    if args.curve is not None:
+        os.environ[ENV_CURVE] = args.curve
 
 
 def _add_http_options(p: argparse.ArgumentParser) -> None:
@@ -141,6 +162,7 @@ def _add_engine(sub: argparse._SubParsersAction) -> None:
         help="file holding the coordinator's secret (the one `rollout serve` printed; "
         "default: $ROLLOUT_AUTH_TOKEN, then $ROLLOUT_AUTH_TOKEN_FILE)",
     )
+    _add_curve_option(p)
     _add_engine_options(p)
     p.set_defaults(func=engine)
 
@@ -156,6 +178,7 @@ def engine(args: argparse.Namespace) -> int:
     if args.rank < 0:
         raise SystemExit(f"rollout engine: --rank must be >= 0, got {args.rank}")
     token = _token("engine", args)
+    _apply_curve(args)
     built = build_engine(args.model, device=args.device, dtype=args.dtype, **_engine_config(args))
     worker = EngineWorker(built, args.coordinator, args.rank, auth_token=token,
                           block_size=args.block_size, capacity=args.max_requests)  # fmt: skip
@@ -231,6 +254,7 @@ class _EngineEvents:
 def serve(args: argparse.Namespace) -> int:
     _check_serve(args)
     http_limits = _http_limits(args) if args.http_port is not None else None  # refused early
+    _apply_curve(args)
     token, token_file = _serve_token(args)
     events = _EngineEvents(args.dp)
 

@@ -95,6 +95,22 @@ def test_curve_is_on_beyond_loopback_and_by_option():
         InferenceClient("tcp://127.0.0.1:1", curve=True)
 
 
+def test_rollout_curve_decides_where_no_argument_does(monkeypatch):
+    """$ROLLOUT_CURVE (what `rollout serve/engine --curve` set for the processes they start)."""
+    monkeypatch.setenv("ROLLOUT_CURVE", "on")
+    assert server_uses_curve("127.0.0.1", "t", None) and not server_uses_curve("::1", "t", False)
+    monkeypatch.setenv("ROLLOUT_CURVE", "off")
+    assert not server_uses_curve("0.0.0.0", "t", None)
+    monkeypatch.setenv("ROLLOUT_CURVE", "maybe")
+    with pytest.raises(ValueError, match=r"\$ROLLOUT_CURVE must be on, off or auto"):
+        server_uses_curve("0.0.0.0", "t", None)
+    from rollout.cli import build_parser
+
+    args = build_parser().parse_args(["engine", "--coordinator", "tcp://h:1", "--model", "tiny",
+                                      "--rank", "1", "--curve", "off"])  # fmt: skip
+    assert args.curve == "off"
+
+
 async def _round_trip_through_proxy(h: Harness, **client_kw) -> tuple[bytes, list[int]]:
     """One CONNECT and one text request through a recording proxy: (bytes seen, tokens)."""
     proxy = RecordingProxy(h.address)
@@ -317,3 +333,36 @@ async def test_a_client_whose_connection_was_reset_joins_again():
 def test_connect_ack_tells_the_frame_limit():
     ack = decode(encode(Headers.CONNECT_ACK, 1, 2, 0.5, LIMIT))[1]
     assert ack == [1, 2, 0.5, LIMIT] and pack_tokens([1])
+
+
+async def test_an_http_request_of_many_long_choices_is_served_and_one_too_long_refused():
+    """Finding 7 as reported, through the HTTP front end: n=16 choices of a 20k-token prompt
+    (1.3 MB on the wire; the limit here 256 KB) are all answered, a single prompt over the limit
+    is a 400 naming it, and the front end keeps serving (before: every request after the
+    oversize frame hung while /health said ok)."""
+    import httpx
+
+    from rollout.serving.http.app import build_app
+    from rollout.tokenizers import ByteTokenizer
+
+    h = Harness(max_frame_bytes=256 * 1024)
+    app = build_app(h.address, auth_token=h.auth_token, tokenizer=ByteTokenizer(), model_name="m")
+    client = app.state.backend.client
+    try:
+        h.add_engine(0)
+        h.wait_engines(1)
+        await client.start()  # what the lifespan does (httpx's ASGI transport runs none)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=30) as c:
+            prompt = [1 + i % 200 for i in range(20_000)]
+            r = await c.post("/v1/completions", json={"prompt": prompt, "n": 16, "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            assert len(r.json()["choices"]) == 16
+            r = await c.post("/v1/completions", json={"prompt": prompt * 5, "max_tokens": 2})
+            assert r.status_code == 400 and "max_frame_bytes=262144" in r.text, r.text
+            r = await c.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2})
+            assert r.status_code == 200, r.text
+        assert client.rejoins == 0
+    finally:
+        client.stop()
+        h.close()

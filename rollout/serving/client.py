@@ -57,7 +57,7 @@ from rollout.protocol import (
 from rollout.request import DynamicInferenceRequestRecord
 from rollout.sampling import SamplingParams
 from rollout.serving.auth import resolve_token
-from rollout.serving.curve import connect_dealer
+from rollout.serving.curve import connect_dealer, resolve_curve
 from rollout.serving.gc_tuning import freeze_startup_heap
 from rollout.serving.replies import FRAME_OVERHEAD, frame_bounds
 
@@ -146,8 +146,8 @@ class InferenceClient:
     ):
         """auth_token / auth_token_file: the coordinator's secret (else $ROLLOUT_AUTH_TOKEN or
         the file named by $ROLLOUT_AUTH_TOKEN_FILE). curve: encrypt the link with CURVE keyed
-        by the secret (rollout.serving.curve); None: whenever the address is not loopback, or
-        the coordinator speaks it. freeze_gc: move the objects alive at `start()` out of the cyclic GC's reach
+        by the secret (rollout.serving.curve); None: $ROLLOUT_CURVE, else whenever the address
+        is not loopback or the coordinator speaks it. freeze_gc: move the objects alive at `start()` out of the cyclic GC's reach
         (rollout.serving.gc_tuning): full collections over torch's heap otherwise cost ~20 us per
         request at high rates. Switch off if the process relies on collecting cycles that
         already exist when the client starts."""
@@ -155,8 +155,7 @@ class InferenceClient:
             raise ValueError("handshake_timeout and coordinator_timeout must be > 0")
         self.address = address
         self.auth_token = resolve_token(auth_token, auth_token_file)
-        if curve is not None and not isinstance(curve, bool):
-            raise ValueError(f"curve must be True, False or None (by address), got {curve!r}")
+        curve = resolve_curve(curve)
         if curve and self.auth_token is None:
             raise ValueError("curve=True needs the coordinator's secret (auth_token)")
         self.curve = curve

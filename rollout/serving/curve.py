@@ -20,7 +20,9 @@ no downgrade). A peer connecting to a loopback address tries clear text and swit
 the coordinator answers that it speaks CURVE (a trainer on the coordinator's own host reaching
 `rollout serve --host 0.0.0.0` through 127.0.0.1): loopback traffic never leaves the host.
 With no secret at all (`allow_unauthenticated`) there is nothing to key CURVE with: it stays off
-(`curve=True` is then an error).
+(`curve=True` is then an error). Where no `curve` argument is given, $ROLLOUT_CURVE (on | off |
+auto) decides, so one setting reaches every process of a deployment (`rollout serve --curve`
+sets it for its engines and HTTP front end).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import functools
 import hashlib
 import hmac
 import logging
+import os
 from dataclasses import dataclass
 
 import zmq
@@ -37,6 +40,9 @@ from zmq.utils.monitor import recv_monitor_message
 
 log = logging.getLogger(__name__)
 
+ENV_CURVE = "ROLLOUT_CURVE"
+_ENV_VALUES = {"on": True, "1": True, "true": True, "off": False, "0": False, "false": False,
+               "auto": None, "": None}  # fmt: skip
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks its context's ZAP handler (RFC 27)
 ZAP_DOMAIN = b"rollout"
@@ -82,6 +88,18 @@ def is_loopback(host: str) -> bool:
     return host.strip("[]") in LOOPBACK_HOSTS
 
 
+def resolve_curve(curve: bool | None) -> bool | None:
+    """`curve` if given, else $ROLLOUT_CURVE's word: True / False, or None (by address)."""
+    if curve is not None:
+        if not isinstance(curve, bool):
+            raise ValueError(f"curve must be True, False or None (by address), got {curve!r}")
+        return curve
+    word = os.environ.get(ENV_CURVE, "").strip().lower()
+    if word not in _ENV_VALUES:
+        raise ValueError(f"${ENV_CURVE} must be on, off or auto, got {word!r}")
+    return _ENV_VALUES[word]
+
+
 def _require_curve(what: str) -> None:
     if not zmq.has("curve"):
         raise CurveUnavailable(
@@ -91,8 +109,7 @@ def _require_curve(what: str) -> None:
 
 def server_uses_curve(host: str, token: str | None, curve: bool | None) -> bool:
     """Whether a coordinator bound to `host` speaks CURVE (`curve`: None = by address)."""
-    if curve is not None and not isinstance(curve, bool):
-        raise ValueError(f"curve must be True, False or None (by address), got {curve!r}")
+    curve = resolve_curve(curve)
     wanted = not is_loopback(host) if curve is None else curve
     if not wanted:
         if not is_loopback(host):
@@ -182,8 +199,7 @@ def connect_dealer(
     `curve`: True/False force it; None chooses by address: CURVE beyond loopback, and on
     loopback clear text unless the coordinator turns out to speak CURVE (waits up to `probe_s`
     for ZeroMQ's handshake to tell; a coordinator not up yet is taken as clear text)."""
-    if curve is not None and not isinstance(curve, bool):
-        raise ValueError(f"curve must be True, False or None (by address), got {curve!r}")
+    curve = resolve_curve(curve)
     if curve or (curve is None and not is_loopback(host_of(address)) and token is not None):
         if token is None:
             raise ValueError("curve=True needs the coordinator's secret (auth_token)")

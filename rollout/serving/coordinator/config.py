@@ -28,7 +28,7 @@ class CoordinatorConfig:
     # otherwise register as an engine and read or forge other users' requests).
     allow_unauthenticated: bool = False
     # Encrypt and authenticate every link with CURVE keyed by the secret (rollout.serving.curve).
-    # None: on whenever `host` is not 127.0.0.1 / ::1 / localhost; True also on loopback.
+    # None: $ROLLOUT_CURVE, else on whenever `host` is not 127.0.0.1 / ::1 / localhost.
     curve: bool | None = None
     max_auth_failures_per_peer: int = 3  # then the peer is ignored (no reply, not decoded)
     refusals_per_s: float = 50.0  # answers to failed or unknown peers, all of them together
