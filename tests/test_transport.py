@@ -366,3 +366,70 @@ async def test_an_http_request_of_many_long_choices_is_served_and_one_too_long_r
     finally:
         client.stop()
         h.close()
+
+
+def _frozen_client(address: str, token: str, conn) -> None:
+    """Child process: one pending request, word to the parent (which SIGSTOPs this process),
+    then that request's tokens and a new request's, and how often it joined again."""
+
+    async def main() -> None:
+        client = await InferenceClient(address, auth_token=token).start()
+        pending = client.add_request([3, 1], SamplingParams(num_tokens_to_generate=40))
+        await asyncio.sleep(0)  # the request leaves
+        conn.send("submitted")
+        first = await asyncio.wait_for(pending, 20)
+        second = await asyncio.wait_for(client.add_request([9, 9], SP), 20)
+        conn.send([first.merge().generated_tokens, second.merge().generated_tokens, client.rejoins])
+        client.stop()
+
+    asyncio.run(main())
+
+
+def test_a_sigstopped_client_process_is_served_after_sigcont():
+    """A client process frozen (SIGSTOP) past the coordinator's client timeout, then resumed:
+    its pending request and its next one complete, in a coordinator and an engine that are
+    processes of their own."""
+    import multiprocessing as mp
+    import os
+    import signal
+
+    from fake_engine import make_fake_engine
+
+    from rollout.serving.coordinator import DataParallelInferenceCoordinator
+    from rollout.serving.worker import EngineWorker
+
+    coord, address, token = DataParallelInferenceCoordinator.spawn(
+        heartbeat_s=0.2, client_timeout_s=1.0, engine_timeout_s=10.0
+    )
+    engine = EngineWorker.spawn(address, 0, make_fake_engine, {"step_delay": 0.02},
+                                {"auth_token": token})  # fmt: skip
+    parent, child = mp.get_context("spawn").Pipe()
+    frozen = mp.get_context("spawn").Process(target=_frozen_client, args=(address, token, child))
+    try:
+        frozen.start()
+        assert parent.poll(60) and parent.recv() == "submitted"
+        os.kill(frozen.pid, signal.SIGSTOP)
+
+        async def forgotten() -> None:
+            watcher = await InferenceClient(address, auth_token=token).start()
+            try:
+                for _ in range(300):
+                    if (await watcher.stats())["counters"].get("clients_timed_out"):
+                        return
+                    await asyncio.sleep(0.1)
+                raise TimeoutError("the frozen client was never forgotten")
+            finally:
+                watcher.stop()
+
+        asyncio.run(forgotten())
+        os.kill(frozen.pid, signal.SIGCONT)
+        assert parent.poll(40), "the resumed client's requests did not complete"
+        first, second, rejoins = parent.recv()
+        assert first == expected_tokens([3, 1], 40) and second == expected_tokens([9, 9], 4)
+        assert rejoins == 1
+    finally:
+        for p in (frozen, engine, coord):
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+            p.join(5)
