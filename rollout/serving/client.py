@@ -276,12 +276,17 @@ class InferenceClient:
         (a row too large for it fails alone: only a limit lowered since it was queued does
         that). add_request checked each row, so encoding cannot fail; if it does anyway, the
         rows go one frame each and a row that cannot be encoded fails alone."""
-        fit = [(row, size) for row, size in entries if self._fits(row[0], size)]
-        rows = [row for row, _ in fit]
+        sizes = [size for _, size in entries]
+        if max(sizes) + FRAME_OVERHEAD > self.max_frame_bytes:
+            entries = [(row, size) for row, size in entries if self._fits(row[0], size)]
+            sizes = [size for _, size in entries]
+        rows = [row for row, _ in entries]
         try:
             if len(rows) == 1:
                 return [encode_trusted(Headers.SUBMIT_REQUEST, *rows[0])]
-            bounds = frame_bounds([size for _, size in fit], self.max_frame_bytes)
+            if sum(sizes) <= self.max_frame_bytes // 2:  # the usual burst: rows bound it alone
+                return batch_frames(Headers.SUBMIT_BATCH, rows)
+            bounds = frame_bounds(sizes, self.max_frame_bytes)
             frames = []
             for start, stop in bounds:
                 if stop - start == 1:
