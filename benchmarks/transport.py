@@ -42,7 +42,11 @@ def instant_engine(address: str, rank: int, curve: bool, prompt_len: int, gen: i
         req.append_token(i % 1000, -0.5, None, 0)
     blob = DynamicInferenceRequestRecord.from_request(req).to_bytes()
     s, _ = connect_dealer(zmq.Context(), address, TOKEN, curve, 10.0)
-    s.send(encode(Headers.ENGINE_REGISTER, rank, 1 << 20, 0, TOKEN, 16))
+    s.send(
+        encode(
+            Headers.ENGINE_REGISTER, rank, 1 << 20, 0, TOKEN, 16, {"architecture": "instant"}, True
+        )
+    )
     while True:
         frames = [s.recv()]
         while True:

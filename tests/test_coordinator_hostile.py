@@ -355,7 +355,8 @@ class _Fuzzers:
         self.client = self._join(hello, Headers.CONNECT_ACK, self.client)
 
     def join_engine(self) -> None:
-        hello = encode(Headers.ENGINE_REGISTER, 7, 8, 0, self.h.auth_token, 16)
+        hello = encode(Headers.ENGINE_REGISTER, 7, 8, 0, self.h.auth_token, 16,
+                       {"architecture": "FakeEngine"}, True)  # the real engine's model  # fmt: skip
         self.engine = self._join(hello, Headers.ENGINE_REGISTER_ACK, self.engine)
 
     def _join(self, hello: bytes, ack: Headers, old: zmq.Socket | None) -> zmq.Socket:

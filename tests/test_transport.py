@@ -27,6 +27,7 @@ pytestmark = pytest.mark.timeout(120)
 
 SP = SamplingParams(num_tokens_to_generate=4)
 ELSEWHERE = "127.0.0.2"  # not 127.0.0.1/::1/localhost: counts as beyond loopback
+FAKE = {"architecture": "FakeEngine"}  # the fake engines' model identity
 
 
 class RecordingProxy:
@@ -194,7 +195,7 @@ async def test_a_peer_without_the_secret_is_refused_before_any_message():
     try:
         for s in strangers:
             for frame in (encode(Headers.CONNECT, h.auth_token), encode(Headers.HEARTBEAT, {}),
-                          encode(Headers.ENGINE_REGISTER, 0, 8, 0, h.auth_token, 16)):  # fmt: skip
+                          encode(Headers.ENGINE_REGISTER, 0, 8, 0, h.auth_token, 16, FAKE, True)):  # fmt: skip
                 s.send(frame)
         c = h.coord.counters
         await _wait(lambda: c["curve_refused"] >= 1, "the stolen-server-key peer refused")
@@ -292,7 +293,7 @@ async def test_what_cannot_be_replayed_fails_with_connection_reset():
     ctx = zmq.Context()
     mute = _curve_dealer(ctx, h.address, None, None)  # an engine that never acks a control
     try:
-        mute.send(encode(Headers.ENGINE_REGISTER, 0, 8, 0, h.auth_token, 16))
+        mute.send(encode(Headers.ENGINE_REGISTER, 0, 8, 0, h.auth_token, 16, FAKE, True))
         assert decode(mute.recv())[0] is Headers.ENGINE_REGISTER_ACK
         client = await h.client()
         control = client.pause_engines()
