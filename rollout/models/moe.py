@@ -157,11 +157,21 @@ class SparseMoeBlock(nn.Module):
         weights, indices = self.gate(x, chosen)
         return self._combine(x, self.experts(x, weights, indices), linear), indices
 
-    def forward_paged(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
-        return self.forward_routed(x, linear=linear)[0]
+    def forward_paged(
+        self, x: torch.Tensor, linear: Linear, routes: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """`routes` (routing replay's recording) gets this layer's expert indices [N, k]."""
+        out, indices = self.forward_routed(x, linear=linear)
+        if routes is not None:
+            routes.append(indices)
+        return out
 
-    def forward_static(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
+    def forward_static(
+        self, x: torch.Tensor, linear: Linear, routes: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
         weights, indices = self.gate(x)
+        if routes is not None:
+            routes.append(indices)
         return self._combine(x, self.experts.forward_static(x, weights, indices), linear)
 
     def _combine(
