@@ -13,16 +13,22 @@ weights move by ~1e-6 only.
 from __future__ import annotations
 
 import copy
+import os
+import signal
+import threading
 
 import pytest
 import torch
+from fake_engine import wait_for
 
 from rollout import InferenceConfig, SamplingParams
 from rollout.engine.cuda_graphs import DecodeGraphs
 from rollout.engine.engine import DynamicInferenceEngine
 from rollout.models import from_transformers
 from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord
+from rollout.rl.manager import RolloutManager, RolloutManagerConfig
 from rollout.rl.samples import Sample, collate
+from rollout.tokenizers import ByteTokenizer
 from trainer_hooks.routing_replay import moe_routers, replay_routing
 
 transformers = pytest.importorskip("transformers")
@@ -35,11 +41,11 @@ NEW_TOKENS = 14
 NUDGE = 1e-6
 
 
-def near_tie_hf(seed: int = 0):
+def near_tie_hf(seed: int = 0, vocab: int = VOCAB):
     """A random Qwen3-MoE (fp32, std 0.2 weights) whose routers tie exactly (module docstring)."""
     torch.manual_seed(seed)
     cfg = transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=LAYERS,
+        vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=LAYERS,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         rms_norm_eps=1e-5, eos_token_id=None, bos_token_id=None, pad_token_id=None,
         num_experts=EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=16,
@@ -262,3 +268,49 @@ def test_record_carries_experts_through_checkpoint_merge_and_the_wire():
     assert torch.equal(torch.stack(merged.routed_experts), torch.stack(rows))
     assert torch.equal(merged.prompt_routed_experts, req.prompt_routed_experts)
     assert merged.generated_weight_versions == [0, 1, 2, 3, 4]
+
+
+def test_dp2_engine_killed_mid_generation_keeps_every_tokens_experts():
+    """RolloutManager(dp=2, routing_replay=True): an engine SIGKILLed after it streamed
+    checkpoints; its requests resume on the survivor with their experts, and the trainer's
+    replayed log-probs equal the behaviour's."""
+    hf = near_tie_hf(vocab=ByteTokenizer.vocab_size)
+    model, _ = from_transformers(hf)
+    config = RolloutManagerConfig(dp=2, routing_replay=True, logprobs_mode="raw")
+    inference = InferenceConfig(block_size=4, num_blocks=512, max_sequence_length=256,
+                                streaming_interval=4, enable_prefix_caching=False)  # fmt: skip
+    fast = {"heartbeat_s": 0.2, "engine_timeout_s": 1.0, "policy": "round_robin"}
+    m = RolloutManager(config, model=model, tokenizer=ByteTokenizer(), inference_config=inference,
+                       cluster_options={"coordinator": fast, "restart": {"max_restarts": 0}})  # fmt: skip
+    cluster = m.engine.cluster
+    victim = cluster.engine_processes[0]
+
+    def kill_after_checkpoints() -> None:
+        def streamed() -> bool:
+            stats = cluster.stats()
+            return stats["counters"].get("partials", 0) >= 4 and stats["engines"][0]["assigned"]
+
+        wait_for(streamed, 60, "the victim's streamed checkpoints")
+        os.kill(victim.pid, signal.SIGKILL)
+
+    try:
+        killer = threading.Thread(target=kill_after_checkpoints)
+        killer.start()
+        prompts = ["near ties", "routing replay", "abc", "the expert"]
+        sp = SamplingParams(temperature=1.0, num_tokens_to_generate=160, ignore_eos=True)
+        samples = m.generate(prompts, sampling_params=sp)
+        killer.join(60)
+        assert not victim.is_alive()
+        assert cluster.stats()["counters"]["redispatched"] >= 1
+    finally:
+        m.close()
+    for s in samples:
+        assert not s.failed and len(s.routed_experts) == len(s.completion_tokens) == 160
+        assert s.prompt_routed_experts.shape[0] == len(s.prompt_tokens) - 1
+    batch = collate(samples)
+    trainer = nudged(hf)
+    at = batch["completion_mask"]
+    replayed = (trainer_log_probs(trainer, batch, True) - batch["behaviour_logp"])[at]
+    rerouted = (trainer_log_probs(trainer, batch, False) - batch["behaviour_logp"])[at]
+    assert replayed.abs().max().item() <= TOLERANCE
+    assert rerouted.abs().max().item() > 1e-2

@@ -36,8 +36,9 @@ def experts_dtype(num_experts: int) -> torch.dtype:
 class RoutingRecorder:
     """Per-step recording of the experts each request's tokens were routed to."""
 
-    def __init__(self, num_experts: int) -> None:
+    def __init__(self, num_experts: int, layers: int, k: int) -> None:
         self.dtype = experts_dtype(num_experts)
+        self.layers, self.k = layers, k  # a row is [layers, k]
         self._sampled: dict[Sequence, torch.Tensor] = {}  # this step's sampling rows
         self._prompt: weakref.WeakKeyDictionary[Sequence, list[torch.Tensor]] = (
             weakref.WeakKeyDictionary()
@@ -47,9 +48,11 @@ class RoutingRecorder:
     def for_model(cls, model: nn.Module) -> RoutingRecorder | None:
         """A recorder for a model with MoE layers; None for a dense one."""
         layers = getattr(getattr(model, "model", None), "layers", ())
-        if not any(getattr(layer, "is_sparse", False) for layer in layers):
+        sparse = sum(bool(getattr(layer, "is_sparse", False)) for layer in layers)
+        if not sparse:
             return None
-        return cls(int(model.config.num_experts))
+        c = model.config
+        return cls(int(c.num_experts), sparse, int(c.num_experts_per_tok))
 
     @staticmethod
     def wanted(batch: ScheduledBatch) -> bool:
