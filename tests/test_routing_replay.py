@@ -314,3 +314,16 @@ def test_dp2_engine_killed_mid_generation_keeps_every_tokens_experts():
     rerouted = (trainer_log_probs(trainer, batch, False) - batch["behaviour_logp"])[at]
     assert replayed.abs().max().item() <= TOLERANCE
     assert rerouted.abs().max().item() > 1e-2
+
+
+def test_replayed_router_weights_still_get_gradients():
+    hf = near_tie_hf()
+    reqs = engine_for(hf).generate(PROMPTS[:2], replay_params(seed=5))
+    batch = collate([sample_of(r) for r in reqs])
+    trainer = nudged(hf).train()
+    with replay_routing(trainer, batch["routed_experts"], batch["routed_experts_mask"]):
+        trainer(batch["tokens"]).logits.float().log_softmax(-1)[..., 0].sum().backward()
+    for router in moe_routers(trainer):
+        assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="1 MoE layers, the model has 2"):
+        replay_routing(trainer, batch["routed_experts"][:, :, :1]).__enter__()
