@@ -327,3 +327,38 @@ def test_replayed_router_weights_still_get_gradients():
         assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="1 MoE layers, the model has 2"):
         replay_routing(trainer, batch["routed_experts"][:, :, :1]).__enter__()
+
+
+def _others(rows: torch.Tensor) -> torch.Tensor:
+    """Experts of the same tie group other than torch.topk's pick ({2, 0} -> {1, 2}, ...)."""
+    plus = torch.tensor([1, 2], dtype=rows.dtype).expand_as(rows)
+    minus = torch.tensor([4, 3], dtype=rows.dtype).expand_as(rows)
+    return torch.where(rows[..., :1] < 3, plus, minus)
+
+
+def test_reprefill_routes_recorded_positions_as_recorded():
+    """A resumed request's re-prefill routes the positions whose experts the record holds as
+    recorded (here: rewritten to experts this engine would not pick), so the tokens sampled
+    after it saw the context the trainer replays."""
+    hf = near_tie_hf()
+    done = engine_for(hf).generate([PROMPTS[0]], replay_params(seed=7, num_tokens_to_generate=6))
+    first = done[0]
+    req = DynamicInferenceRequest(request_id=100, prompt_tokens=first.prompt_tokens.clone(),
+                                  sampling_params=replay_params(seed=8, num_tokens_to_generate=12))  # fmt: skip
+    req.prompt_routed_experts = _others(first.prompt_routed_experts)
+    for token, lp, row in zip(first.generated_tokens, first.generated_log_probs,
+                              first.routed_experts, strict=True):  # fmt: skip
+        req.append_token(token, lp, None, 0)
+        req.routed_experts.append(_others(row))
+    engine = engine_for(hf)
+    engine.add_request(None, record=DynamicInferenceRequestRecord.from_request(req))
+    resumed = engine._run_to_completion([100])[0]
+    assert len(resumed.routed_experts) == 12
+    batch = collate([sample_of(resumed)])
+    at = batch["completion_mask"].clone()
+    at[0, : len(PROMPTS[0]) + 6] = False  # the tokens the resumed engine sampled
+    for trainer, bound in ((hf, TOLERANCE), (nudged(hf), TOLERANCE)):
+        gap = (trainer_log_probs(trainer, batch, True) - batch["behaviour_logp"])[at]
+        assert gap.abs().max().item() <= bound
+    rerouted = (trainer_log_probs(hf, batch, False) - batch["behaviour_logp"])[at]
+    assert rerouted.abs().max().item() > 1e-2  # the rewritten experts mattered

@@ -70,7 +70,7 @@ def replay_routing(
 def _replaying(router: nn.Module, experts: torch.Tensor, mask: torch.Tensor):
     ours = isinstance(router, Router)
 
-    def forward(x: torch.Tensor, chosen: torch.Tensor | None = None):
+    def forward(x: torch.Tensor, *_ignored: torch.Tensor | None):  # our Router's chosen, mask
         x = x.reshape(-1, router.weight.shape[1])
         if x.shape[0] != experts.shape[0]:
             raise ValueError(

@@ -275,8 +275,9 @@ class DynamicInferenceEngine:
             return
         prep = prepare_batch(batch, self.config.block_size, self.device)
         routes = [] if self.routing is not None and self.routing.wanted(batch) else None
+        replay = self.routing.replay(batch) if routes is not None else None
         t0 = time.perf_counter()
-        logits = self.runner.logits(prep, self.kv.cache, routes)
+        logits = self.runner.logits(prep, self.kv.cache, routes, replay)
         self.counters["forward_time_s"] += time.perf_counter() - t0
         if routes:
             self.routing.record(batch, routes)

@@ -108,16 +108,18 @@ class ModelRunner:
     def logits(
         self, prep: PreparedBatch, kv_cache: torch.Tensor,
         routes: list[torch.Tensor] | None = None,
+        replay: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | None:  # fmt: skip
         """Logits [len(prep.logit_rows), V] in logit-row order (None when no row needs them);
         the new tokens' K/V land in kv_cache. `routes` (routing replay) receives each MoE
-        layer's experts [prep.num_tokens, k].
+        layer's experts [prep.num_tokens, k]; `replay` (experts, mask) routes recomputed
+        positions to their recorded experts (eager path: decode rows are never replayed).
 
         A step that fails on the flex backend (a kernel the device or compiler refuses) is
         rerun on the torch backend, which the runner keeps from then on: it costs speed, never
         the engine. The rerun rewrites the K/V the failed try wrote, with the same values."""
         try:
-            return self._logits(prep, kv_cache, routes)
+            return self._logits(prep, kv_cache, routes, replay)
         except Exception:
             if self.attention_backend != "flex":
                 raise
@@ -126,16 +128,18 @@ class ModelRunner:
             if self.graphs is not None:
                 self.graphs.clear()
                 self.graphs.attention_backend = "torch"
-            return self._logits(prep, kv_cache, routes)
+            return self._logits(prep, kv_cache, routes, replay)
 
     def _logits(
         self, prep: PreparedBatch, kv_cache: torch.Tensor,
         routes: list[torch.Tensor] | None = None,
+        replay: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | None:  # fmt: skip
         graphs = self.graphs
         if (
             graphs is not None
             and prep.decode_only
+            and replay is None
             and graphs.accepts(len(prep.tokens), max(map(len, prep.block_tables)))
         ):
             try:
@@ -152,7 +156,8 @@ class ModelRunner:
             hidden = self.model.forward_paged(input_ids, positions, meta, kv_cache)
         else:
             routes.clear()  # a failed graph replay may have left some
-            hidden = self.model.forward_paged(input_ids, positions, meta, kv_cache, routes=routes)
+            hidden = self.model.forward_paged(input_ids, positions, meta, kv_cache,
+                                              routes=routes, replay=replay)  # fmt: skip
         rows = prep.logit_rows
         if not rows:
             return None

@@ -9,6 +9,11 @@ and the trainer routes those tokens itself; docs/internals.md, "Routing replay")
 The model hands over each MoE layer's indices [N, k] of the step (`routes`); they are packed
 once per step into [N, moe_layers, k] uint8 (int16 past 256 experts) on the host. Steps in which
 no request asks pass no `routes`: recording costs nothing then.
+
+A re-prefill (after an eviction, a recompute, on another engine) recomputes positions whose
+experts the record holds: `replay` routes them to the recorded experts, so the KV the later
+tokens attend to is routed as when the earlier tokens were sampled, which is what the trainer
+replays.
 """
 
 from __future__ import annotations
@@ -71,6 +76,27 @@ class RoutingRecorder:
                     self._sampled[seq] = table[row + n - 1].clone()
             row += n
 
+    def replay(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(experts [N, moe_layers, k], mask [N]) for a step that recomputes positions whose
+        experts are recorded (a re-prefill after an eviction, a recompute, another engine), so
+        the KV it rebuilds is routed as when those tokens were sampled; None when it has none
+        (every decode step)."""
+        rows: list[tuple[int, torch.Tensor]] = []
+        offset = 0
+        for seq, n in batch:
+            if seq.request.sampling_params.return_routed_experts:
+                for p, row in _recorded(seq, seq.num_computed, seq.num_computed + n):
+                    rows.append((offset + p - seq.num_computed, row))
+            offset += n
+        if not rows:
+            return None
+        at = torch.tensor([i for i, _ in rows])
+        experts = torch.zeros(offset, *rows[0][1].shape, dtype=torch.int64)
+        experts[at] = torch.stack([r for _, r in rows]).to(torch.int64)
+        mask = torch.zeros(offset, dtype=torch.bool)
+        mask[at] = True
+        return experts, mask
+
     def take(self, seq: Sequence) -> torch.Tensor | None:
         """The experts of the forward that sampled `seq`'s token this step (once)."""
         return self._sampled.pop(seq, None) if self._sampled else None
@@ -91,6 +117,23 @@ class RoutingRecorder:
         if end == seq.first_prompt_len - 1:
             first.prompt_routed_experts = torch.cat(parts)
             del self._prompt[seq]
+
+
+def _recorded(seq: Sequence, start: int, end: int) -> list[tuple[int, torch.Tensor]]:
+    """(position, experts) of the positions in [start, end) the record holds experts for."""
+    first, last_prompt = seq.record.requests[0], seq.first_prompt_len - 1
+    num_generated = sum(len(r.routed_experts) for r in seq.record.requests)
+    if start >= min(end, last_prompt + num_generated):
+        return []  # a decode step (its position's experts are what it records): nothing to do
+    out = []
+    prompt = first.prompt_routed_experts
+    if prompt is not None:
+        out += [(p, prompt[p]) for p in range(start, min(end, last_prompt))]
+    if end > last_prompt:
+        generated = [r for req in seq.record.requests for r in req.routed_experts]
+        lo, hi = max(start, last_prompt), min(end, last_prompt + len(generated))
+        out += [(p, generated[p - last_prompt]) for p in range(lo, hi)]
+    return out
 
 
 def check_routing(req: DynamicInferenceRequest, recorder: RoutingRecorder | None) -> None:

@@ -224,12 +224,14 @@ class DecoderLM(nn.Module):
         meta: PagedAttentionMetadata,
         kv_cache: torch.Tensor,
         routes: list[torch.Tensor] | None = None,
+        replay: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Flattened ragged batch -> final-normed hidden states [N, H] (feed to `compute_logits`).
 
         input_ids/positions [N]; kv_cache [2, layers, blocks, block_size, kv_heads, head_dim].
         The new tokens' K/V are written into kv_cache at meta.slot_mapping. `routes`, when given,
-        receives each MoE layer's expert indices [N, k] in layer order (routing replay).
+        receives each MoE layer's expert indices [N, k] in layer order (routing replay);
+        `replay` (experts [N, moe_layers, k], mask [N]) routes the masked rows to those experts.
         """
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(
@@ -250,7 +252,8 @@ class DecoderLM(nn.Module):
             )
         plan = AttentionPlan(meta, kv_cache.shape[3], input_ids.shape[0], kv_cache.shape[2])
         self.packed.observe(input_ids.shape[0], self.lm_head.weight)
-        return self._paged_layers(input_ids, positions, plan, kv_cache, routes=routes)
+        return self._paged_layers(input_ids, positions, plan, kv_cache, routes=routes,
+                                  replay=replay)  # fmt: skip
 
     @torch.no_grad()
     def forward_static_decode(
@@ -273,8 +276,10 @@ class DecoderLM(nn.Module):
         kv_cache: torch.Tensor,
         static: bool = False,
         routes: list[torch.Tensor] | None = None,
+        replay: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         linear = self.packed
+        sparse = 0  # MoE layers so far: the replay's layer axis
         x = self.model.embed_tokens(input_ids)
         rope = self.rotary.paged(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
@@ -287,7 +292,9 @@ class DecoderLM(nn.Module):
             elif static:  # no host sync inside a CUDA graph
                 x += layer.mlp.forward_static(h, linear, routes)
             else:
-                x += layer.mlp.forward_paged(h, linear, routes)
+                rows = None if replay is None else (replay[0][:, sparse], replay[1])
+                x += layer.mlp.forward_paged(h, linear, routes, rows)
+                sparse += 1
         return self.model.norm(x)
 
     @torch.no_grad()
