@@ -213,17 +213,27 @@ def test_static_decode_path_records_the_same_experts_as_the_eager_path():
         assert torch.equal(torch.stack(a.routed_experts), torch.stack(b.routed_experts))
 
 
-def test_prefix_cache_hit_leaves_the_prompt_to_the_trainer():
+def test_prefix_cache_hit_takes_the_cached_blocks_experts():
+    """A GRPO sibling served from the prefix cache gets the prompt's experts its blocks were
+    computed with; blocks filled without recording leave the prompt to the trainer."""
     hf = near_tie_hf()
     engine = engine_for(hf)
     prompt = PROMPTS[2]
     first = engine.generate([prompt], replay_params(seed=0))[0]
     again = engine.generate([prompt], replay_params(seed=1))[0]
-    assert first.prompt_routed_experts is not None
-    assert again.cached_tokens > 0 and again.prompt_routed_experts is None
-    assert len(again.routed_experts) == NEW_TOKENS
+    assert first.cached_tokens == 0 and again.cached_tokens > 0
+    assert torch.equal(again.prompt_routed_experts, first.prompt_routed_experts)
     batch = collate([sample_of(again)])
-    p = len(prompt)
+    gap = trainer_log_probs(nudged(hf), batch, True) - batch["behaviour_logp"]
+    assert gap[batch["completion_mask"]].abs().max().item() <= TOLERANCE
+
+    other = [7, *prompt[1:]]  # new blocks, filled by a request that does not record
+    engine.generate([other], replay_params(return_routed_experts=False))
+    hit = engine.generate([other], replay_params(seed=2))[0]
+    assert hit.cached_tokens > 0 and hit.prompt_routed_experts is None
+    assert len(hit.routed_experts) == NEW_TOKENS
+    batch = collate([sample_of(hit)])
+    p = len(other)
     assert not batch["routed_experts_mask"][0, : p - 1].any()
     assert batch["routed_experts_mask"][0, p - 1 : p - 1 + NEW_TOKENS].all()
 
@@ -278,7 +288,7 @@ def test_dp2_engine_killed_mid_generation_keeps_every_tokens_experts():
     model, _ = from_transformers(hf)
     config = RolloutManagerConfig(dp=2, routing_replay=True, logprobs_mode="raw")
     inference = InferenceConfig(block_size=4, num_blocks=512, max_sequence_length=256,
-                                streaming_interval=4, enable_prefix_caching=False)  # fmt: skip
+                                streaming_interval=4)  # fmt: skip
     fast = {"heartbeat_s": 0.2, "engine_timeout_s": 1.0, "policy": "round_robin"}
     m = RolloutManager(config, model=model, tokenizer=ByteTokenizer(), inference_config=inference,
                        cluster_options={"coordinator": fast, "restart": {"max_restarts": 0}})  # fmt: skip
@@ -298,7 +308,7 @@ def test_dp2_engine_killed_mid_generation_keeps_every_tokens_experts():
         killer.start()
         prompts = ["near ties", "routing replay", "abc", "the expert"]
         sp = SamplingParams(temperature=1.0, num_tokens_to_generate=160, ignore_eos=True)
-        samples = m.generate(prompts, sampling_params=sp)
+        samples = m.generate(prompts, n=2, sampling_params=sp)  # groups, prefix caching on
         killer.join(60)
         assert not victim.is_alive()
         assert cluster.stats()["counters"]["redispatched"] >= 1

@@ -102,13 +102,15 @@ class DynamicInferenceEngine:
         backend = config.resolve_attention_backend(device)
         graphs = DecodeGraphs.for_engine(self.model, config, device, backend)
         self.runner = ModelRunner(self.model, graphs, attention_backend=backend)
-        self.routing = RoutingRecorder.for_model(self.model)  # None: no MoE layers
         self.tokenizer = tokenizer
         self.device, self.dtype = device, dtype
         self.vocab_size = int(self.model_config.vocab_size)
         self.weight_version = int(weight_version)
 
         self.kv = KVPool(self.model_config, config, device, dtype)
+        self.routing = RoutingRecorder.for_model(  # None: no MoE layers
+            self.model, config.block_size if config.enable_prefix_caching else None,
+            self.kv.num_blocks)  # fmt: skip
         self.suspended: str | None = None  # the suspend mode, None while serving
         self.closed = False
 
@@ -280,7 +282,7 @@ class DynamicInferenceEngine:
         logits = self.runner.logits(prep, self.kv.cache, routes, replay)
         self.counters["forward_time_s"] += time.perf_counter() - t0
         if routes:
-            self.routing.record(batch, routes)
+            self.routing.record(batch, routes, self.weight_version)
         self.blocks.stats.tokens_computed += prep.num_tokens
         for seq, n in batch:
             seq.num_computed += n

@@ -2,9 +2,11 @@
 
 A request with `sampling_params.return_routed_experts` gets, per generated token, the experts
 [moe_layers, k] of the forward whose logits sampled it (the previous token's routing), and for
-the first prompt the experts of every prompt token before the last, when this engine computed
-them (a prefix-cache hit skips that compute: the record's `prompt_routed_experts` stays None
-and the trainer routes those tokens itself; docs/internals.md, "Routing replay").
+the first prompt the experts of every prompt token before the last. A prefix-cache hit skips
+computing the cached blocks: their experts come from the blocks' own, kept here by block hash
+and weight version when a recorded prompt filled them (an LRU as large as the KV pool); a hit on
+blocks whose experts were never recorded leaves `prompt_routed_experts` None, and the trainer
+routes those tokens itself (docs/internals.md, "Routing replay").
 
 The model hands over each MoE layer's indices [N, k] of the step (`routes`); they are packed
 once per step into [N, moe_layers, k] uint8 (int16 past 256 experts) on the host. Steps in which
@@ -19,6 +21,7 @@ replays.
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -41,37 +44,47 @@ def experts_dtype(num_experts: int) -> torch.dtype:
 class RoutingRecorder:
     """Per-step recording of the experts each request's tokens were routed to."""
 
-    def __init__(self, num_experts: int, layers: int, k: int) -> None:
+    def __init__(
+        self, num_experts: int, layers: int, k: int, block_size: int | None = None,
+        cached_blocks: int = 0,
+    ) -> None:  # fmt: skip
         self.dtype = experts_dtype(num_experts)
         self.layers, self.k = layers, k  # a row is [layers, k]
+        self.block_size, self.cached_blocks = block_size, cached_blocks  # None: no prefix cache
+        # (block hash, weight version) -> the block's experts [block_size, layers, k], LRU
+        self._blocks: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
         self._sampled: dict[Sequence, torch.Tensor] = {}  # this step's sampling rows
         self._prompt: weakref.WeakKeyDictionary[Sequence, list[torch.Tensor]] = (
             weakref.WeakKeyDictionary()
         )
 
     @classmethod
-    def for_model(cls, model: nn.Module) -> RoutingRecorder | None:
-        """A recorder for a model with MoE layers; None for a dense one."""
+    def for_model(
+        cls, model: nn.Module, block_size: int | None = None, cached_blocks: int = 0
+    ) -> RoutingRecorder | None:
+        """A recorder for a model with MoE layers (None for a dense one); `block_size` (None
+        without prefix caching) and `cached_blocks` size the per-block experts cache."""
         layers = getattr(getattr(model, "model", None), "layers", ())
         sparse = sum(bool(getattr(layer, "is_sparse", False)) for layer in layers)
         if not sparse:
             return None
         c = model.config
-        return cls(int(c.num_experts), sparse, int(c.num_experts_per_tok))
+        return cls(int(c.num_experts), sparse, int(c.num_experts_per_tok), block_size,
+                   cached_blocks)  # fmt: skip
 
     @staticmethod
     def wanted(batch: ScheduledBatch) -> bool:
         return any(s.request.sampling_params.return_routed_experts for s, _ in batch)
 
-    def record(self, batch: ScheduledBatch, routes: list[torch.Tensor]) -> None:
-        """Take the step's routing ([N, k] per MoE layer, rows in `batch` order); called before
-        the sequences' `num_computed` advance past this step's tokens."""
+    def record(self, batch: ScheduledBatch, routes: list[torch.Tensor], version: int) -> None:
+        """Take the step's routing ([N, k] per MoE layer, rows in `batch` order) under weights
+        `version`; called before the sequences' `num_computed` advance past this step."""
         table = torch.stack(routes, 1).to(self.dtype).cpu()  # [N, moe_layers, k]
         self._sampled.clear()
         row = 0
         for seq, n in batch:
             if seq.request.sampling_params.return_routed_experts:
-                self._record_prompt(seq, table, row, n)
+                self._record_prompt(seq, table, row, n, version)
                 if seq.num_computed + n == len(seq.tokens):  # this step samples after its last
                     self._sampled[seq] = table[row + n - 1].clone()
             row += n
@@ -101,22 +114,52 @@ class RoutingRecorder:
         """The experts of the forward that sampled `seq`'s token this step (once)."""
         return self._sampled.pop(seq, None) if self._sampled else None
 
-    def _record_prompt(self, seq: Sequence, table: torch.Tensor, row: int, n: int) -> None:
+    def _record_prompt(
+        self, seq: Sequence, table: torch.Tensor, row: int, n: int, version: int
+    ) -> None:
         """Collect the first prompt's routing (positions before its last token) over prefill
-        chunks; only a prefill that computed them all from position 0 completes it."""
-        first = seq.record.requests[0]
-        start, end = seq.num_computed, min(seq.num_computed + n, seq.first_prompt_len - 1)
-        if first.prompt_routed_experts is not None or start >= end:
+        chunks, starting from the cached blocks' experts after a prefix-cache hit."""
+        first, last = seq.record.requests[0], seq.first_prompt_len - 1
+        start, end = seq.num_computed, min(seq.num_computed + n, last)
+        if first.prompt_routed_experts is not None or start > last:
             return
         parts = self._prompt.setdefault(seq, [])
         if start == 0:
             parts.clear()  # a new prefill (KV dropped by a weight update or a suspend)
+        elif not parts:  # the first chunk after a prefix-cache hit
+            parts += self._cached(seq, start, version)
         if sum(len(p) for p in parts) != start:
-            return  # began on cached blocks: not ours to record
-        parts.append(table[row : row + end - start].clone())
-        if end == seq.first_prompt_len - 1:
-            first.prompt_routed_experts = torch.cat(parts)
+            return  # began on cached blocks whose experts were never recorded
+        if start < end:
+            parts.append(table[row : row + end - start].clone())
+        if max(start, end) == last:
+            first.prompt_routed_experts = torch.cat(parts) if parts else table[:0].clone()
             del self._prompt[seq]
+            self._keep_blocks(seq, first.prompt_routed_experts, version)
+
+    def _cached(self, seq: Sequence, start: int, version: int) -> list[torch.Tensor]:
+        """The experts of the `start` leading tokens served from the prefix cache ([] unless
+        every one of their blocks' experts is kept)."""
+        bs = self.block_size
+        if bs is None or start % bs:
+            return []
+        rows = [self._blocks.get((h, version)) for h in seq.block_hashes(start // bs)]
+        if any(r is None for r in rows):
+            return []
+        for h in seq.block_hashes(start // bs):
+            self._blocks.move_to_end((h, version))
+        return rows
+
+    def _keep_blocks(self, seq: Sequence, prompt: torch.Tensor, version: int) -> None:
+        """Keep the complete blocks' experts of a recorded prompt for later cache hits."""
+        bs = self.block_size
+        if bs is None or not self.cached_blocks:
+            return
+        for i, h in enumerate(seq.block_hashes(len(prompt) // bs)):
+            self._blocks[(h, version)] = prompt[i * bs : (i + 1) * bs]
+            self._blocks.move_to_end((h, version))
+        while len(self._blocks) > self.cached_blocks:
+            self._blocks.popitem(last=False)
 
 
 def _recorded(seq: Sequence, start: int, end: int) -> list[tuple[int, torch.Tensor]]:
