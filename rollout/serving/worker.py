@@ -420,8 +420,14 @@ class EngineWorker:
         self.counters["steps"] += 1
         if out.partials:
             rows = [
-                [rid, pack_tokens(toks), pack_floats(lps), pack_versions(versions), _extra(tops),
-                 _experts_bytes(experts)]  # fmt: skip
+                [
+                    rid,
+                    pack_tokens(toks),
+                    pack_floats(lps),
+                    pack_versions(versions),
+                    _extra(tops),
+                    _experts_bytes(experts),
+                ]
                 for rid, toks, lps, versions, tops, *experts in out.partials
                 if rid in self.active
             ]
