@@ -100,7 +100,21 @@ def decode_top_n(xs: list) -> list[dict[int, float]]:
     return out
 
 
+def encode_rows(rows: list[torch.Tensor]) -> Any:
+    """Equal-shaped per-token tensors (routed experts) as ONE packed tensor; [] when empty."""
+    return serialize_tensor(torch.stack(rows)) if rows else []
+
+
+def decode_rows(obj: Any) -> list[torch.Tensor]:
+    """Inverse of `encode_rows`: views of one fresh tensor, one per token."""
+    if type(obj) is list and not obj:
+        return []
+    return list(deserialize_tensor(obj).unbind(0))
+
+
 def values_equal(a: Any, b: Any) -> bool:
+    if type(a) is list and type(b) is list and any(isinstance(x, torch.Tensor) for x in a + b):
+        return len(a) == len(b) and all(values_equal(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (
             isinstance(a, torch.Tensor)

@@ -24,12 +24,14 @@ Message catalogue (C = client, Co = coordinator, E = engine); `SCHEMA` is author
                                 num_tokens_to_generate, stream, routing_key(str | None)]
     DISPATCH_REQUEST   Co->E   [request_id, prompt, sampling_params, block_hashes(packed int64),
                                 resume_tokens(packed int32), resume_log_probs(packed float64),
-                                resume_weight_versions(packed int64), stream]
+                                resume_weight_versions(packed int64), stream,
+                                resume_routed_experts(packed rows)]
     SUBMIT_BATCH       C->Co   [[[client_request_id, prompt, sampling_params, num_tokens_to_generate,
                                 stream, routing_key], ...]]   (SUBMIT_REQUESTs of one loop turn, one frame)
     DISPATCH_BATCH     Co->E   [[[DISPATCH_REQUEST fields], ...]]  (one SUBMIT_BATCH's rows per engine)
     REPLY              E->Co, Co->C   [[[id, record_bytes], ...]]           (batched per step)
-    REPLY_PARTIAL      E->Co, Co->C   [[[id, new_tokens, new_log_probs, new_weight_versions, extra], ...]]
+    REPLY_PARTIAL      E->Co, Co->C   [[[id, new_tokens, new_log_probs, new_weight_versions, extra,
+                                new_routed_experts], ...]]   (routing replay's rows, `pack_experts`, or None)
     ABORT_REQUEST      C->Co, Co->E   [id]
     PAUSE/UNPAUSE/RESUME/STOP  C->Co->E  [control_id]
     SUSPEND            C->Co->E  [control_id, mode]
@@ -158,6 +160,7 @@ _DISPATCH_FIELDS = (
     ("resume_log_probs", BYTES),
     ("resume_weight_versions", BYTES),
     ("stream", BOOL),
+    ("resume_routed_experts", BYTES),  # routing replay: the streamed experts rows, or b""
 )
 
 SCHEMA: dict[Headers, tuple[tuple[str, Any], ...]] = {
@@ -200,6 +203,7 @@ SCHEMA: dict[Headers, tuple[tuple[str, Any], ...]] = {
                 ("new_log_probs", BYTES),
                 ("new_weight_versions", BYTES),
                 ("extra", OPT_BYTES),
+                ("new_routed_experts", OPT_BYTES),
             ),
         ),
     ),
@@ -429,6 +433,12 @@ def unpack_hashes(data: bytes) -> list[int]:
 def pack_versions(versions: Any) -> bytes:
     """Per-token weight versions as int64 little-endian bytes."""
     return _pack_int_list(versions, "q", _I64, "weight versions")
+
+
+def pack_experts(rows: Any) -> bytes:
+    """Routing replay's experts rows ([tokens, moe_layers, k] uint8/int16 tensor) as their raw
+    little-endian bytes: the receiving engine knows the row shape and dtype from its model."""
+    return rows.contiguous().numpy().tobytes()
 
 
 def unpack_versions(data: bytes) -> list[int]:

@@ -18,8 +18,10 @@ import numpy as np
 import torch
 
 from rollout.codecs import (
+    decode_rows,
     decode_top_n,
     deserialize_tensor,
+    encode_rows,
     encode_top_n,
     number_list_codec,
     serialize_tensor,
@@ -62,6 +64,8 @@ _CODECS: dict[str, tuple] = {
     "tpot": _F64,
     "generated_top_n_logprobs": (encode_top_n, decode_top_n),
     "prompt_top_n_logprobs": (encode_top_n, decode_top_n),
+    "routed_experts": (encode_rows, decode_rows),
+    "prompt_routed_experts": _TENSOR,
     "events": (
         lambda evs: [e.serialize() for e in evs],
         lambda evs: [] if evs == [] else [DynamicInferenceEvent.deserialize(e) for e in evs],
@@ -227,6 +231,12 @@ class DynamicInferenceRequest(InferenceRequest):
     computed, relative to the engine's weights `staleness_version` (stamped when the record
     leaves the engine; None = never stamped). The trainer-facing staleness is derived from these
     at hand-out (rollout.rl.staleness; definitions in docs/internals.md, "Staleness").
+
+    Routing replay (`sampling_params.return_routed_experts`, MoE models): `routed_experts[i]`
+    [moe_layers, k] (uint8, int16 past 256 experts) are the experts that routed the forward
+    whose logits sampled `generated_tokens[i]`, i.e. of the token before it;
+    `prompt_routed_experts` [first prompt length - 1, moe_layers, k] those of the prompt tokens
+    before that, or None when the engine did not compute them (prefix-cache hit).
     """
 
     generated_weight_versions: list[int] = field(default_factory=list)
@@ -242,6 +252,8 @@ class DynamicInferenceRequest(InferenceRequest):
     last_token_time: float | None = None  # carried across checkpoints so tpot stays continuous
     staleness_version: int | None = None  # engine weights the staleness counters are relative to
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at the first admission
+    routed_experts: list[torch.Tensor] = field(default_factory=list)
+    prompt_routed_experts: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -535,6 +547,8 @@ class DynamicInferenceRequestRecord:
             last_token_time=last.last_token_time,
             staleness_version=last.staleness_version,
             cached_tokens=first.cached_tokens,
+            routed_experts=cat("routed_experts"),
+            prompt_routed_experts=first.prompt_routed_experts,
         )
 
     def _merged_prompt_log_probs(self) -> list[float] | None:

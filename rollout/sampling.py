@@ -99,6 +99,9 @@ class SamplingParams:
     of: "raw" (the model's, temperature 1) or "processed" (log_softmax(logits / temperature),
     what was sampled from; `logprobs_temperature`). None leaves it to whoever runs the request:
     an engine computes raw, `rollout serve` its --logprobs-mode, a RolloutManager its config.
+
+    return_routed_experts: record the top-k experts every MoE layer routed each token to (the
+    request record's `routed_experts`; routing replay, docs/internals.md "Routing replay").
     """
 
     temperature: float = 1.0
@@ -113,6 +116,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     logprobs_mode: str | None = None
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         self.temperature = _float("temperature", self.temperature)
@@ -148,6 +152,7 @@ class SamplingParams:
         if self.seed is not None:
             self.seed = _int("seed", self.seed, 0, _SEED_LIMIT)
         self.ignore_eos = _bool("ignore_eos", self.ignore_eos)
+        self.return_routed_experts = _bool("return_routed_experts", self.return_routed_experts)
         if self.logprobs_mode is not None:
             if self.logprobs_mode not in LOGPROBS_MODES:
                 raise ValueError(
@@ -226,6 +231,7 @@ def _already_valid(d: dict[str, Any]) -> bool:
         and type(d["return_log_probs"]) is bool
         and type(d["return_prompt_log_probs"]) is bool
         and type(d["ignore_eos"]) is bool
+        and type(d["return_routed_experts"]) is bool
         and (d["logprobs_mode"] is None or type(d["logprobs_mode"]) is str)
         and d["logprobs_mode"] in _MODES_OR_NONE
         and type(words) is list

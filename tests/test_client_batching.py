@@ -194,10 +194,10 @@ async def test_a_submitted_batch_reaches_each_engine_as_one_dispatch_frame():
 
 
 def test_dispatch_batch_schema_checks_every_row():
-    row = [1, pack_tokens([1, 2]), b"\x80", b"", b"", b"", b"", False]
+    row = [1, pack_tokens([1, 2]), b"\x80", b"", b"", b"", b"", False, b""]
     assert decode(encode(Headers.DISPATCH_BATCH, [row, row]))[0] is Headers.DISPATCH_BATCH
     with pytest.raises(ProtocolError, match=r"requests\[1\]\.stream must be bool"):
-        encode(Headers.DISPATCH_BATCH, [row, [*row[:-1], 1]])
+        encode(Headers.DISPATCH_BATCH, [row, [*row[:-2], 1, b""]])
 
 
 @pytest.mark.parametrize("bad_at", [0, 4])  # the turn's first (sent at once) or a queued one

@@ -63,15 +63,17 @@ async def test_redispatch_row_carries_the_streamed_tokens_log_probs_and_versions
                 chunks.append(chunk)
 
         streaming = asyncio.create_task(consume())
-        rid, *_, resume_versions, stream = await _next(first, Headers.DISPATCH_REQUEST)
-        assert resume_versions == b"" and stream  # a first dispatch carries no checkpoint
-        good = [[rid, pack_tokens([5, 6]), pack_floats([-0.5, -0.25]), pack_versions([3, 4]), None]]
+        rid, *_, resume_versions, stream, experts = await _next(first, Headers.DISPATCH_REQUEST)
+        assert resume_versions == experts == b"" and stream  # a first dispatch: no checkpoint
+        rows = b"\x01\x02\x03\x04"  # routing replay's packed experts: opaque to the coordinator
+        good = [[rid, pack_tokens([5, 6]), pack_floats([-0.5, -0.25]), pack_versions([3, 4]), None,
+                 rows]]  # fmt: skip
         first.send(encode(Headers.REPLY_PARTIAL, good))
-        bad = [[rid, pack_tokens([7]), pack_floats([-1.0]), pack_versions([4, 4]), None]]
+        bad = [[rid, pack_tokens([7]), pack_floats([-1.0]), pack_versions([4, 4]), None, None]]
         first.send(encode(Headers.REPLY_PARTIAL, bad))  # two versions for one token: dropped
         await wait_until(lambda: h.coord.counters["malformed"] == 1, 5, "the bad partial")
         await wait_until(lambda: chunks, 5, "the streamed chunk")
-        assert chunks == [Partial([5, 6], [-0.5, -0.25], None, [3, 4])]
+        assert chunks == [Partial([5, 6], [-0.5, -0.25], None, [3, 4], rows)]
 
         second = _engine(ctx, h, 1)
         sockets.append(second)
@@ -83,6 +85,7 @@ async def test_redispatch_row_carries_the_streamed_tokens_log_probs_and_versions
         assert unpack_tokens(tokens) == [5, 6]
         assert unpack_floats(log_probs) == [-0.5, -0.25]
         assert unpack_versions(versions) == [3, 4]  # the sampling versions, not the new engine's
+        assert row[8] == rows
         streaming.cancel()
     finally:
         for sock in sockets:

@@ -264,7 +264,7 @@ def test_streaming_partials_and_abort(model):
     while eng.has_unfinished_requests():
         out = eng.step()
         steps += 1
-        for rid, toks, lp, versions, _ in out.partials:
+        for rid, toks, lp, versions, *_ in out.partials:
             parts[rid] += toks
             lps[rid] += lp
             assert len(toks) == 3 and len(lp) == 3 and versions == [eng.weight_version] * 3

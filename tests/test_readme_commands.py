@@ -72,6 +72,7 @@ SNIPPETS = {
     "### As an inference library": "test_inference_snippet",
     "### OpenAI-compatible HTTP": "test_http_section",
     "### TRL's GRPOTrainer": "test_trl_snippet",
+    "### Routing replay for MoE models (R3)": "test_routing_replay_snippet",
 }
 # README commands no test runs, each with the reason; keep this short.
 NOT_RUN = {
@@ -581,6 +582,31 @@ def test_trainer_snippet():
         assert manager.version == 2
     finally:
         manager.close()
+
+
+@pytest.mark.timeout(120)
+def test_routing_replay_snippet():
+    """The routing-replay block on a tiny Qwen3-MoE: samples from a manager that records."""
+    transformers = pytest.importorskip("transformers")
+    from rollout.models import from_transformers
+    from rollout.rl.manager import RolloutManager, RolloutManagerConfig
+    from rollout.tokenizers import ByteTokenizer
+
+    tok = ByteTokenizer()
+    cfg = transformers.Qwen3MoeConfig(vocab_size=tok.vocab_size, hidden_size=32,
+                                      intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      num_experts=4, num_experts_per_tok=2,
+                                      moe_intermediate_size=16)  # fmt: skip
+    hf_model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    model, _ = from_transformers(hf_model)
+    sp = SamplingParams(num_tokens_to_generate=4)
+    with RolloutManager(RolloutManagerConfig(routing_replay=True), model=model, tokenizer=tok) as m:
+        samples = m.generate(["ab", "cde"], n=2, sampling_params=sp)
+    ns = exec_snippet("### Routing replay for MoE models (R3)", dict(samples=samples,
+                                                                       hf_model=hf_model))  # fmt: skip
+    assert ns["batch"]["routed_experts"].shape[2:] == (2, 2)
+    assert ns["logits"].shape[:2] == ns["batch"]["tokens"].shape
 
 
 @pytest.mark.clients

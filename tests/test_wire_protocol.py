@@ -219,19 +219,21 @@ def test_checkpoint_fields_are_checked():
     """Re-dispatch rows carry the streamed checkpoint (tokens, log-probs, weight versions) and
     partial rows the versions of their tokens, all as packed bytes: a list of ints is refused."""
     row = [1, b"", b"\x80", b"", pack_tokens([5, 6]), pack_floats([-1.0, -2.0]),
-           pack_versions([0, 1]), False]  # fmt: skip
+           pack_versions([0, 1]), False, b""]  # fmt: skip
     assert decode(encode(Headers.DISPATCH_REQUEST, *row))[1] == row
     with pytest.raises(ProtocolError, match="field 'resume_weight_versions' must be bytes"):
-        encode(Headers.DISPATCH_REQUEST, *row[:6], [0, 1], False)
+        encode(Headers.DISPATCH_REQUEST, *row[:6], [0, 1], False, b"")
     with pytest.raises(ProtocolError, match=r"requests\[0\]\.resume_weight_versions must be bytes"):
-        encode(Headers.DISPATCH_BATCH, [[*row[:6], [0, 1], False]])
-    with pytest.raises(ProtocolError, match="DISPATCH_REQUEST: expected 8 fields"):
-        encode(Headers.DISPATCH_REQUEST, *row[:6], False)  # a checkpoint without versions
-    partial = [3, pack_tokens([5]), b"", pack_versions([2]), None]
+        encode(Headers.DISPATCH_BATCH, [[*row[:6], [0, 1], False, b""]])
+    with pytest.raises(ProtocolError, match="DISPATCH_REQUEST: expected 9 fields"):
+        encode(Headers.DISPATCH_REQUEST, *row[:6], False, b"")  # a checkpoint without versions
+    with pytest.raises(ProtocolError, match="field 'resume_routed_experts' must be bytes"):
+        encode(Headers.DISPATCH_REQUEST, *row[:-1], [[0, 1]])  # routed experts packed only
+    partial = [3, pack_tokens([5]), b"", pack_versions([2]), None, b"\x01\x02"]
     assert decode(encode(Headers.REPLY_PARTIAL, [partial]))[1] == [[partial]]
     with pytest.raises(ProtocolError, match=r"partials\[0\]\.new_weight_versions must be bytes"):
-        encode(Headers.REPLY_PARTIAL, [[3, pack_tokens([5]), b"", [2], None]])
-    with pytest.raises(ProtocolError, match=r"partials\[0\] must be a list of 5"):
+        encode(Headers.REPLY_PARTIAL, [[3, pack_tokens([5]), b"", [2], None, None]])
+    with pytest.raises(ProtocolError, match=r"partials\[0\] must be a list of 6"):
         encode(Headers.REPLY_PARTIAL, [[3, pack_tokens([5]), b"", None]])
 
 

@@ -117,6 +117,7 @@ def manager_config(run: RunConfig, **changes: Any) -> RolloutManagerConfig:
         max_turns=r.max_turns, max_episode_tokens=r.max_episode_tokens or run.engine.max_sequence_length,
         env_timeout_s=r.env_timeout_s, logprobs_mode=r.logprobs_mode.value,
         max_failed_fraction=r.max_failed_fraction,
+        routing_replay=r.routing_replay,
     )  # fmt: skip
     kwargs.update(changes)
     return RolloutManagerConfig(**kwargs)
@@ -130,7 +131,7 @@ def sampling_params(
     kwargs: dict[str, Any] = dict(
         temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, num_tokens_to_generate=r.max_new_tokens,
         stop_token_ids=list(stop_token_ids), return_log_probs=True,
-        logprobs_mode=r.logprobs_mode.value,
+        logprobs_mode=r.logprobs_mode.value, return_routed_experts=r.routing_replay,
     )  # fmt: skip
     kwargs.update(changes)
     return SamplingParams(**kwargs)

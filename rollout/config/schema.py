@@ -130,6 +130,7 @@ class RolloutCfg:
     # behaviour log-probs: processed = log_softmax(logits / temperature), what was sampled from
     # (the loss recomputes them at that temperature); raw = at temperature 1
     logprobs_mode: LogprobsMode = LogprobsMode.processed
+    routing_replay: bool = False  # MoE: record each token's experts for the trainer (R3)
     max_staleness: int = 1  # weight updates a trained token may lag behind
     stale_policy: StalePolicy = StalePolicy.drop
     kv_policy: KVPolicy = KVPolicy.recompute

@@ -12,6 +12,8 @@ block-table width, and its inputs are copied into static buffers the graph reads
   writes its logits into one buffer outside that pool, read before the next replay;
 - padding rows repeat row 0 (same token, position, slot and table), so they write the very K/V
   row 0 writes and need no scratch slot; their logits are dropped;
+- an MoE model's graphs also copy each layer's chosen experts into one buffer beside the
+  logits (a [batch, moe_layers, k] copy per replay), read only by steps that record routing;
 - capture runs the step once first (warm-up) on the step's own inputs, which writes the same K/V
   the replay writes again, so capturing mid-run is harmless.
 
@@ -75,9 +77,10 @@ class DecodeGraphs:
         self._host = torch.zeros(rows * (4 + max_blocks), dtype=torch.int64,
                                  pin_memory=device.type == "cuda")  # fmt: skip
         self._dev = torch.zeros_like(self._host, device=device)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int], tuple] = {}  # (graph, logits, experts or None)
         self._pool = None
         self._logits: torch.Tensor | None = None  # every graph's output, outside their pool
+        self._routes: torch.Tensor | None = None  # MoE models: [rows, moe_layers, k] experts
         self._kv_ptr = 0
         self.counters = {"replays": 0, "captures": 0, "eager": 0}
 
@@ -107,8 +110,10 @@ class DecodeGraphs:
         tables: Sequence[Sequence[int]],
         block_size: int,
         kv_cache: torch.Tensor,
+        routes: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Logits [len(tokens), V] of one decode token per row; writes their K/V."""
+        """Logits [len(tokens), V] of one decode token per row; writes their K/V. `routes`
+        receives each MoE layer's experts [len(tokens), k] (valid until the next call)."""
         n = len(tokens)
         batch = self.batches[bisect.bisect_left(self.batches, n)]
         width = self.widths[bisect.bisect_left(self.widths, max(map(len, tables)))]
@@ -117,7 +122,11 @@ class DecodeGraphs:
         self._stage(batch, width, [tokens, positions, slots, context_lens], tables)
         if not self.capture:
             self.counters["eager"] += 1
-            return self._forward(batch, width, kv_cache)[:n]
+            layers: list[torch.Tensor] = []
+            logits = self._forward(batch, width, kv_cache, layers)[:n]
+            if routes is not None:
+                routes.extend(r[:n] for r in layers)
+            return logits
         if kv_cache.data_ptr() != self._kv_ptr:
             self.clear()
             self._kv_ptr = kv_cache.data_ptr()
@@ -126,12 +135,14 @@ class DecodeGraphs:
             entry = self._graphs[(batch, width)] = self._capture(batch, width, kv_cache)
         entry[0].replay()
         self.counters["replays"] += 1
+        if routes is not None and entry[2] is not None:
+            routes.extend(entry[2][:n].unbind(1))
         return entry[1][:n]
 
     def clear(self) -> None:
         """Drop every graph and their memory pool (recaptured on demand)."""
         self._graphs.clear()
-        self._pool = self._logits = None
+        self._pool = self._logits = self._routes = None
         self._kv_ptr = 0
 
     def _views(
@@ -159,14 +170,17 @@ class DecodeGraphs:
         used = 4 * rows + batch * self.max_blocks  # the tables' rows past `batch` are not read
         self._dev[:used].copy_(self._host[:used], non_blocking=True)
 
-    def _forward(self, batch: int, width: int, kv_cache: torch.Tensor) -> torch.Tensor:
+    def _forward(
+        self, batch: int, width: int, kv_cache: torch.Tensor,
+        routes: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         ids, positions, plan = self._views(batch, width, kv_cache)
-        hidden = self.model.forward_static_decode(ids, positions, plan, kv_cache)
+        hidden = self.model.forward_static_decode(ids, positions, plan, kv_cache, routes=routes)
         return self.model.compute_logits(hidden)
 
     def _capture(
         self, batch: int, width: int, kv_cache: torch.Tensor
-    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -181,7 +195,18 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         # thread_local: CUDA work of other threads (a weight transfer) does not break the capture
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = self._logits[:batch]
-            out.copy_(self._forward(batch, width, kv_cache))
+            out, layers = self._logits[:batch], []
+            out.copy_(self._forward(batch, width, kv_cache, layers))
+            routes = self._routes_buffer(layers)
+            if routes is not None:
+                routes = routes[:batch]
+                routes.copy_(torch.stack(layers, 1))
         self.counters["captures"] += 1
-        return graph, out
+        return graph, out, routes
+
+    def _routes_buffer(self, layers: list[torch.Tensor]) -> torch.Tensor | None:
+        """The experts buffer of an MoE model (None for a dense one), made on first capture."""
+        if layers and self._routes is None:
+            shape = (self.batches[-1], len(layers), layers[0].shape[1])
+            self._routes = torch.empty(shape, dtype=torch.int64, device=self.device)
+        return self._routes if layers else None

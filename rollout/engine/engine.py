@@ -45,6 +45,7 @@ from rollout.engine.intake import (
 from rollout.engine.interface import StepOutput
 from rollout.engine.kv_pool import KVPool
 from rollout.engine.model_runner import ModelRunner, prepare_batch
+from rollout.engine.routing import RoutingRecorder, check_routing
 from rollout.engine.scheduler import ScheduledBatch, Scheduler
 from rollout.engine.sequence import Sequence, check_block_hashes
 from rollout.engine.staging import Staged, WeightStage
@@ -107,6 +108,9 @@ class DynamicInferenceEngine:
         self.weight_version = int(weight_version)
 
         self.kv = KVPool(self.model_config, config, device, dtype)
+        self.routing = RoutingRecorder.for_model(  # None: no MoE layers
+            self.model, config.block_size if config.enable_prefix_caching else None,
+            self.kv.num_blocks)  # fmt: skip
         self.suspended: str | None = None  # the suspend mode, None while serving
         self.closed = False
 
@@ -167,6 +171,7 @@ class DynamicInferenceEngine:
         req.add_event_add_engine()
         try:
             check_request(req, self.config, self.vocab_size, self.kv.num_blocks)
+            check_routing(req, self.routing)
             stop_words = stop_word_ids(self.tokenizer, req.sampling_params)
         except RequestError as e:
             self._fail(record, e)
@@ -271,9 +276,13 @@ class DynamicInferenceEngine:
         if not batch:
             return
         prep = prepare_batch(batch, self.config.block_size, self.device)
+        routes = [] if self.routing is not None and self.routing.wanted(batch) else None
+        replay = self.routing.replay(batch) if routes is not None else None
         t0 = time.perf_counter()
-        logits = self.runner.logits(prep, self.kv.cache)
+        logits = self.runner.logits(prep, self.kv.cache, routes, replay)
         self.counters["forward_time_s"] += time.perf_counter() - t0
+        if routes:
+            self.routing.record(batch, routes, self.weight_version)
         self.blocks.stats.tokens_computed += prep.num_tokens
         for seq, n in batch:
             seq.num_computed += n
@@ -375,6 +384,8 @@ class DynamicInferenceEngine:
         lp = result.log_probs[i] if sp.return_log_probs else None
         top = result.top_n[i] if sp.top_n_logprobs else None
         seq.request.append_token(token, lp, top, self.weight_version, now)
+        if self.routing is not None and (experts := self.routing.take(seq)) is not None:
+            seq.request.routed_experts.append(experts)
         seq.tokens.append(token)
         if lp is not None:
             seq.log_probs.append(lp)

@@ -27,14 +27,13 @@ class EngineLost(RuntimeError):
 @dataclass
 class StepOutput:
     """What one step produced: finished records and streaming partials
-    `(request_id, new_tokens, new_log_probs, new_weight_versions, new_top_n_logprobs)`
-    (log-probs and top-n empty unless requested; the versions let another engine resume the
-    request with exact staleness)."""
+    `(request_id, new_tokens, new_log_probs, new_weight_versions, new_top_n_logprobs,
+    routed_experts)` (log-probs and top-n empty unless requested; the versions let another
+    engine resume the request with exact staleness; routed_experts: routing replay's rows or
+    None, rollout.engine.sequence.take_partial)."""
 
     finished: list[DynamicInferenceRequestRecord] = field(default_factory=list)
-    partials: list[tuple[int, list[int], list[float], list[int], list[dict]]] = field(
-        default_factory=list
-    )
+    partials: list[tuple] = field(default_factory=list)
 
 
 @runtime_checkable

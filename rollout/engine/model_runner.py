@@ -105,15 +105,21 @@ class ModelRunner:
         self.graphs = graphs
         self.attention_backend = attention_backend
 
-    def logits(self, prep: PreparedBatch, kv_cache: torch.Tensor) -> torch.Tensor | None:
+    def logits(
+        self, prep: PreparedBatch, kv_cache: torch.Tensor,
+        routes: list[torch.Tensor] | None = None,
+        replay: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | None:  # fmt: skip
         """Logits [len(prep.logit_rows), V] in logit-row order (None when no row needs them);
-        the new tokens' K/V land in kv_cache.
+        the new tokens' K/V land in kv_cache. `routes` (routing replay) receives each MoE
+        layer's experts [prep.num_tokens, k]; `replay` (experts, mask) routes recomputed
+        positions to their recorded experts (eager path: decode rows are never replayed).
 
         A step that fails on the flex backend (a kernel the device or compiler refuses) is
         rerun on the torch backend, which the runner keeps from then on: it costs speed, never
         the engine. The rerun rewrites the K/V the failed try wrote, with the same values."""
         try:
-            return self._logits(prep, kv_cache)
+            return self._logits(prep, kv_cache, routes, replay)
         except Exception:
             if self.attention_backend != "flex":
                 raise
@@ -122,18 +128,23 @@ class ModelRunner:
             if self.graphs is not None:
                 self.graphs.clear()
                 self.graphs.attention_backend = "torch"
-            return self._logits(prep, kv_cache)
+            return self._logits(prep, kv_cache, routes, replay)
 
-    def _logits(self, prep: PreparedBatch, kv_cache: torch.Tensor) -> torch.Tensor | None:
+    def _logits(
+        self, prep: PreparedBatch, kv_cache: torch.Tensor,
+        routes: list[torch.Tensor] | None = None,
+        replay: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | None:  # fmt: skip
         graphs = self.graphs
         if (
             graphs is not None
             and prep.decode_only
+            and replay is None
             and graphs.accepts(len(prep.tokens), max(map(len, prep.block_tables)))
         ):
             try:
                 return graphs.logits(prep.tokens, prep.positions, prep.context_lens,
-                                     prep.block_tables, prep.block_size, kv_cache)  # fmt: skip
+                                     prep.block_tables, prep.block_size, kv_cache, routes)  # fmt: skip
             except Exception:  # a capture the device refuses costs speed, never the engine
                 if self.attention_backend == "flex":
                     raise  # flex may be to blame: `logits` retries on the torch backend first
@@ -141,7 +152,12 @@ class ModelRunner:
                 graphs.clear()
                 self.graphs = None
         input_ids, positions, meta = prep.to_device(self.attention_backend)
-        hidden = self.model.forward_paged(input_ids, positions, meta, kv_cache)
+        if routes is None:
+            hidden = self.model.forward_paged(input_ids, positions, meta, kv_cache)
+        else:
+            routes.clear()  # a failed graph replay may have left some
+            hidden = self.model.forward_paged(input_ids, positions, meta, kv_cache,
+                                              routes=routes, replay=replay)  # fmt: skip
         rows = prep.logit_rows
         if not rows:
             return None

@@ -10,6 +10,7 @@ compute `tokens[num_computed:]` (possibly in chunks) and sample after the last o
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from typing import Any
 
 import torch
 
@@ -94,15 +95,18 @@ class Sequence:
         self.cacheable = True
         return blocks
 
-    def take_partial(self) -> tuple[int, list[int], list[float], list[int], list[dict]]:
+    def take_partial(self) -> tuple[int, list[int], list[float], list[int], list[dict], Any]:
         """What was generated since the last partial, as a StepOutput partial `(request_id,
-        tokens, log_probs, weight_versions, top_n_logprobs)`; the next partial starts after it."""
+        tokens, log_probs, weight_versions, top_n_logprobs, routed_experts)`; the next partial
+        starts after it. routed_experts (routing replay, else None): the tokens' rows [n,
+        moe_layers, k], after the first prompt's rows in the first partial when recorded."""
         start, self.streamed = self.streamed, self.num_generated
         n = self.num_generated - start
         versions = self._last_generated("generated_weight_versions", n)
         tops = self._last_generated("generated_top_n_logprobs", n)
         tokens = self.tokens[self.first_prompt_len + start :]
-        return self.request_id, tokens, self.log_probs[start:], versions, tops
+        experts = self._experts(start, n)
+        return self.request_id, tokens, self.log_probs[start:], versions, tops, experts
 
     def _last_generated(self, field: str, n: int) -> list:
         """The last `n` entries of a per-generated-token record field (an eviction checkpoint
@@ -113,6 +117,15 @@ class Sequence:
                 break
             out[:0] = getattr(req, field)[-(n - len(out)) :]
         return out
+
+    def _experts(self, start: int, n: int) -> torch.Tensor | None:
+        if not self.request.sampling_params.return_routed_experts:
+            return None
+        rows = self._last_generated("routed_experts", n)
+        prompt = self.record.requests[0].prompt_routed_experts
+        if start == 0 and prompt is not None:
+            rows = [*prompt.unbind(0), *rows]
+        return torch.stack(rows) if rows else None
 
     def stop_reason(self, token: int) -> str | None:
         """Why generation ends after `token` was appended (None: keep going)."""

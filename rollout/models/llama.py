@@ -223,11 +223,15 @@ class DecoderLM(nn.Module):
         positions: torch.Tensor,
         meta: PagedAttentionMetadata,
         kv_cache: torch.Tensor,
+        routes: list[torch.Tensor] | None = None,
+        replay: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Flattened ragged batch -> final-normed hidden states [N, H] (feed to `compute_logits`).
 
         input_ids/positions [N]; kv_cache [2, layers, blocks, block_size, kv_heads, head_dim].
-        The new tokens' K/V are written into kv_cache at meta.slot_mapping.
+        The new tokens' K/V are written into kv_cache at meta.slot_mapping. `routes`, when given,
+        receives each MoE layer's expert indices [N, k] in layer order (routing replay);
+        `replay` (experts [N, moe_layers, k], mask [N]) routes the masked rows to those experts.
         """
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(
@@ -248,7 +252,8 @@ class DecoderLM(nn.Module):
             )
         plan = AttentionPlan(meta, kv_cache.shape[3], input_ids.shape[0], kv_cache.shape[2])
         self.packed.observe(input_ids.shape[0], self.lm_head.weight)
-        return self._paged_layers(input_ids, positions, plan, kv_cache)
+        return self._paged_layers(input_ids, positions, plan, kv_cache, routes=routes,
+                                  replay=replay)  # fmt: skip
 
     @torch.no_grad()
     def forward_static_decode(
@@ -257,10 +262,11 @@ class DecoderLM(nn.Module):
         positions: torch.Tensor,
         plan: StaticDecodePlan,
         kv_cache: torch.Tensor,
+        routes: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """`forward_paged` for one decode token per row, every shape fixed by the inputs' sizes
         and no host work: what a CUDA graph captures (rollout.engine.cuda_graphs)."""
-        return self._paged_layers(input_ids, positions, plan, kv_cache, static=True)
+        return self._paged_layers(input_ids, positions, plan, kv_cache, True, routes)
 
     def _paged_layers(
         self,
@@ -269,8 +275,11 @@ class DecoderLM(nn.Module):
         plan: AttentionPlan | StaticDecodePlan,
         kv_cache: torch.Tensor,
         static: bool = False,
+        routes: list[torch.Tensor] | None = None,
+        replay: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         linear = self.packed
+        sparse = 0  # MoE layers so far: the replay's layer axis
         x = self.model.embed_tokens(input_ids)
         rope = self.rotary.paged(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
@@ -278,10 +287,14 @@ class DecoderLM(nn.Module):
                 layer.input_layernorm(x), rope, plan, kv_cache[0, i], kv_cache[1, i], linear
             )
             h = layer.post_attention_layernorm(x)
-            if static and layer.is_sparse:  # no host sync inside a CUDA graph
-                x += layer.mlp.forward_static(h, linear)
-            else:
+            if not layer.is_sparse:
                 x += layer.mlp.forward_paged(h, linear)
+            elif static:  # no host sync inside a CUDA graph
+                x += layer.mlp.forward_static(h, linear, routes)
+            else:
+                rows = None if replay is None else (replay[0][:, sparse], replay[1])
+                x += layer.mlp.forward_paged(h, linear, routes, rows)
+                sparse += 1
         return self.model.norm(x)
 
     @torch.no_grad()

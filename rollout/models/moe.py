@@ -54,12 +54,13 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
 
     def forward(
-        self, x: torch.Tensor, chosen: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, chosen: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """x [N, H] -> (weights [N, k] in x's dtype, expert indices [N, k] int64).
 
         `chosen` [N, k] replays given experts (their probabilities under this router are the
-        weights) instead of taking the top-k."""
+        weights) instead of taking the top-k; with `mask` [N] only on the rows it marks."""
         probs = F.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float)
         if chosen is None:
             top, chosen = torch.topk(probs, self.top_k, dim=-1)
@@ -68,6 +69,9 @@ class Router(nn.Module):
                 raise ValueError(f"chosen experts must be [{x.shape[0]}, {self.top_k}], "
                                  f"got {tuple(chosen.shape)}")  # fmt: skip
             chosen = chosen.to(device=x.device, dtype=torch.int64)
+            if mask is not None:
+                own = torch.topk(probs, self.top_k, dim=-1).indices
+                chosen = torch.where(mask.to(x.device)[:, None], chosen, own)
             top = probs.gather(-1, chosen)
         if self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
@@ -151,17 +155,32 @@ class SparseMoeBlock(nn.Module):
         return self.forward_routed(x.reshape(-1, shape[-1]))[0].view(shape)
 
     def forward_routed(
-        self, x: torch.Tensor, chosen: torch.Tensor | None = None, linear: Linear | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, H] -> (output [N, H], the experts each row was routed to [N, k])."""
-        weights, indices = self.gate(x, chosen)
+        self, x: torch.Tensor, chosen: torch.Tensor | None = None, linear: Linear | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """x [N, H] -> (output [N, H], the experts each row was routed to [N, k]); `chosen`
+        (and `mask`): Router.forward's."""
+        weights, indices = self.gate(x, chosen, mask)
         return self._combine(x, self.experts(x, weights, indices), linear), indices
 
-    def forward_paged(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
-        return self.forward_routed(x, linear=linear)[0]
+    def forward_paged(
+        self, x: torch.Tensor, linear: Linear, routes: list[torch.Tensor] | None = None,
+        replay: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """`routes` (routing replay's recording) gets this layer's expert indices [N, k];
+        `replay` (experts [N, k], mask [N]) routes the masked rows to recorded experts."""
+        chosen, mask = replay if replay is not None else (None, None)
+        out, indices = self.forward_routed(x, chosen, linear, mask)
+        if routes is not None:
+            routes.append(indices)
+        return out
 
-    def forward_static(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
+    def forward_static(
+        self, x: torch.Tensor, linear: Linear, routes: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
         weights, indices = self.gate(x)
+        if routes is not None:
+            routes.append(indices)
         return self._combine(x, self.experts.forward_static(x, weights, indices), linear)
 
     def _combine(

@@ -119,8 +119,13 @@ class RolloutManagerConfig:
     logprobs_mode: str = "processed"
     # a batch with more failed samples than this fraction raises BatchFailed (1.0: never)
     max_failed_fraction: float = 0.5
+    # MoE: record every token's experts for the trainer to replay (SamplingParams
+    # .return_routed_experts on every request; docs/internals.md, "Routing replay")
+    routing_replay: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.routing_replay, bool):
+            raise ValueError(f"routing_replay must be a bool, got {self.routing_replay!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(
                 f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
@@ -492,6 +497,8 @@ class RolloutManager:
                 f"sampling_params.logprobs_mode={sp.logprobs_mode!r} differs from the manager's "
                 f"logprobs_mode={mode!r}; leave it None or configure the manager"
             )
+        if self.config.routing_replay and not sp.return_routed_experts:
+            sp = sp.replace(return_routed_experts=True)
         if sp.return_log_probs and sp.logprobs_mode == mode:
             return sp
         return sp.replace(return_log_probs=True, logprobs_mode=mode)

@@ -74,6 +74,10 @@ class Sample:
     loss_mask: list[int] | None = None  # per completion token; None: every token is the model's
     turns: list[Turn] = dataclasses.field(default_factory=list)  # episodes only
     env_info: dict[str, float] = dataclasses.field(default_factory=dict)  # summed EnvStep.info
+    # routing replay (docs/internals.md): [completion tokens, moe_layers, k], row i the experts
+    # of the forward that sampled completion token i; the prompt's [prompt tokens - 1, ...]
+    routed_experts: torch.Tensor | None = dataclasses.field(default=None, repr=False)
+    prompt_routed_experts: torch.Tensor | None = dataclasses.field(default=None, repr=False)
 
     @property
     def is_episode(self) -> bool:
@@ -135,6 +139,8 @@ def sample_from_request(
         failed=failed,
         error=request_error(req) if failed else None,
         token_times=_token_times(req),
+        routed_experts=torch.stack(req.routed_experts) if req.routed_experts else None,
+        prompt_routed_experts=req.prompt_routed_experts,
     )
 
 
@@ -211,7 +217,34 @@ def collate(samples: Sequence[Sample], pad_id: int = 0) -> dict[str, torch.Tenso
         "group_ids": torch.tensor([s.group_id for s in samples], dtype=torch.long),
         "prompt_lengths": torch.tensor([len(s.prompt_tokens) for s in samples], dtype=torch.long),
     }
+    routed = collate_routed_experts(samples, T)
+    if routed is not None:
+        out["routed_experts"], out["routed_experts_mask"] = routed
     rewards = [s.reward for s in samples]
     if all(isinstance(r, (int, float)) and not isinstance(r, bool) for r in rewards):
         out["rewards"] = torch.tensor(rewards, dtype=torch.float32)
     return out
+
+
+def collate_routed_experts(
+    samples: Sequence[Sample], T: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """[B, T, moe_layers, k] experts by input position (position p: the experts token p was
+    routed to, which shaped the logits at p that score token p + 1) and a [B, T] mask of the
+    positions recorded; None when no sample carries routing. Unrecorded positions (a
+    prefix-cache hit's prompt, padding, the last token) are routed by the trainer itself."""
+    have = [s for s in samples if s.routed_experts is not None]
+    if not have:
+        return None
+    layers, k = have[0].routed_experts.shape[1:]
+    experts = torch.zeros(len(samples), T, layers, k, dtype=have[0].routed_experts.dtype)
+    mask = torch.zeros(len(samples), T, dtype=torch.bool)
+    for i, s in enumerate(samples):
+        p, gen, prompt = len(s.prompt_tokens), s.routed_experts, s.prompt_routed_experts
+        if gen is not None and len(gen) == len(s.completion_tokens) and p:
+            experts[i, p - 1 : p - 1 + len(gen)] = gen
+            mask[i, p - 1 : p - 1 + len(gen)] = True
+        if gen is not None and prompt is not None and len(prompt) == p - 1:
+            experts[i, : p - 1] = prompt
+            mask[i, : p - 1] = True
+    return experts, mask

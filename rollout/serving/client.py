@@ -103,6 +103,7 @@ class Partial:
     log_probs: list[float]
     extra: Any = None
     weight_versions: list[int] = field(default_factory=list)
+    routed_experts: bytes | None = None  # routing replay: the rows, `protocol.pack_experts`
 
 
 _DONE = object()
@@ -483,7 +484,7 @@ class InferenceClient:
             for crid, blob in fields[0]:
                 self._resolve(crid, blob)
         elif header is Headers.REPLY_PARTIAL:
-            for crid, tokens, log_probs, versions, extra in fields[0]:
+            for crid, tokens, log_probs, versions, extra, experts in fields[0]:
                 q = self._streams.get(crid)
                 if q is not None:
                     self._streamed.add(crid)
@@ -493,6 +494,7 @@ class InferenceClient:
                             unpack_floats(log_probs),
                             None if extra is None else unpack_obj(extra),
                             unpack_versions(versions),
+                            experts,
                         )
                     )
         elif header is Headers.CONTROL_ACK:

@@ -4,13 +4,15 @@ When an engine dies, the coordinator re-dispatches its requests with what they s
 (tokens, log-probs, and the weight version that sampled each token). The new engine continues
 from a record that already holds those tokens, stamped with the versions of the engine that
 sampled them, not its own: an update may have landed since, and policy staleness is computed
-from these stamps.
+from these stamps. With routing replay the experts rows it streamed come back too (the first
+prompt's rows first, when they were recorded), so the record keeps every token's experts.
 """
 
 from __future__ import annotations
 
 import torch
 
+from rollout.engine.routing import RoutingRecorder
 from rollout.protocol import unpack_floats, unpack_tokens_array, unpack_versions
 from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord, Status
 from rollout.sampling import SamplingParams
@@ -47,3 +49,34 @@ def resume_record(
         req.status, req.stop_reason = Status.COMPLETED, "length"
         req.add_event_finish()
     return DynamicInferenceRequestRecord.from_request(req)
+
+
+def resume_routing(record: DynamicInferenceRequestRecord, experts: bytes, engine: object) -> None:
+    """Put a checkpoint's streamed experts rows (`pack_experts`) back into the resumed record;
+    ValueError when they do not fit its tokens or this engine's model."""
+    if not experts:
+        return
+    routing: RoutingRecorder | None = getattr(engine, "routing", None)
+    req = record.requests[0]
+    if routing is None:
+        raise ValueError(
+            f"resume checkpoint of request {req.request_id} carries routed experts but this "
+            f"engine's model has no MoE layers"
+        )
+    row_bytes = routing.layers * routing.k * routing.dtype.itemsize
+    if len(experts) % row_bytes:
+        raise ValueError(
+            f"resume checkpoint of request {req.request_id}: {len(experts)} bytes of routed "
+            f"experts are not whole [{routing.layers}, {routing.k}] rows"
+        )
+    rows = torch.frombuffer(bytearray(experts), dtype=routing.dtype)
+    rows = rows.view(-1, routing.layers, routing.k)
+    n, prompt = len(req.generated_tokens), max(req.prompt_length - 1, 0)
+    if len(rows) == n + prompt and prompt:
+        req.prompt_routed_experts, rows = rows[:prompt].clone(), rows[prompt:]
+    elif len(rows) != n:
+        raise ValueError(
+            f"resume checkpoint of request {req.request_id} has {n} tokens but {len(rows)} "
+            f"rows of routed experts"
+        )
+    req.routed_experts = [r.clone() for r in rows]

@@ -46,6 +46,7 @@ from rollout.protocol import (
     ProtocolError,
     decode,
     encode,
+    pack_experts,
     pack_floats,
     pack_hashes,
     pack_obj,
@@ -63,7 +64,7 @@ from rollout.serving.gc_tuning import freeze_startup_heap
 from rollout.serving.model_identity import model_identity
 from rollout.serving.processes import exit_on_signal, spawn_child
 from rollout.serving.replies import ROW_OVERHEAD, failed_record, frame_bounds, record_bytes
-from rollout.serving.resume import resume_record
+from rollout.serving.resume import resume_record, resume_routing
 from rollout.tokenizers import tokenize_with
 from rollout.weights.engine_sync import EngineWeightSync
 from rollout.weights.trust import weight_key
@@ -285,7 +286,8 @@ class EngineWorker:
 
     def _add(self, row: list) -> None:
         """One DISPATCH row (rollout.protocol): a new request, or a resumed one with a checkpoint."""
-        rid, prompt, sp_bytes, hashes, resume_tokens, resume_log_probs, resume_versions, _ = row
+        rid, prompt, sp_bytes, hashes, resume_tokens, resume_log_probs, resume_versions = row[:7]
+        resume_experts = row[8]
         self.counters["requests"] += 1
         try:
             sp = SamplingParams.deserialize(unpack_obj(sp_bytes))
@@ -299,6 +301,7 @@ class EngineWorker:
                     tokens = torch.tensor(self._tokenize(tokens), dtype=torch.int64)
                 record = resume_record(rid, tokens, sp, self.block_size, resume_tokens,
                                        resume_log_probs, resume_versions)  # fmt: skip
+                resume_routing(record, resume_experts, self.engine)
                 if record.requests[-1].remaining_tokens_to_generate <= 0:
                     self._send_replies([record])
                     return
@@ -417,14 +420,20 @@ class EngineWorker:
         self.counters["steps"] += 1
         if out.partials:
             rows = [
-                [rid, pack_tokens(toks), pack_floats(lps), pack_versions(versions), _extra(tops)]
-                for rid, toks, lps, versions, tops in out.partials
+                [
+                    rid,
+                    pack_tokens(toks),
+                    pack_floats(lps),
+                    pack_versions(versions),
+                    _extra(tops),
+                    _experts_bytes(experts),
+                ]
+                for rid, toks, lps, versions, tops, *experts in out.partials
                 if rid in self.active
             ]
             if rows:
                 self.counters["partials"] += len(rows)
-                sizes = [len(r[1]) + len(r[2]) + len(r[3]) + len(r[4] or b"") + ROW_OVERHEAD
-                         for r in rows]  # fmt: skip
+                sizes = [sum(len(f or b"") for f in r[1:]) + ROW_OVERHEAD for r in rows]
                 self._send_rows(Headers.REPLY_PARTIAL, rows, sizes)
         if out.finished:
             self._send_replies(out.finished)
@@ -525,3 +534,8 @@ def _plain(d: dict) -> dict:
         elif hasattr(v, "item"):
             out[str(k)] = v.item()
     return out
+
+
+def _experts_bytes(rest: list) -> bytes | None:
+    """A partial's routing-replay rows (the engine partial's sixth element) as packed bytes."""
+    return pack_experts(rest[0]) if rest and rest[0] is not None else None

@@ -58,6 +58,8 @@ class Pending:
     resume_log_probs: bytearray = field(default_factory=bytearray)  # (float64 LE)
     # the weight version that sampled each streamed token (int64 LE): a resumed token keeps it
     resume_versions: bytearray = field(default_factory=bytearray)
+    # routing replay: the streamed experts rows (opaque here; rollout.serving.resume reads them)
+    resume_experts: bytearray = field(default_factory=bytearray)
     dispatches: int = 0
     crashes: int = 0  # engines that died (or left) while holding it
     deadline: float | None = None  # set while waiting for an engine

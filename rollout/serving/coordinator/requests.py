@@ -176,6 +176,7 @@ class RequestPath:
             bytes(p.resume_log_probs),
             bytes(p.resume_versions),
             p.stream,
+            bytes(p.resume_experts),
         ]
         if batch is not None:
             batch.setdefault(key, []).append(row)
@@ -234,7 +235,7 @@ class RequestPath:
 
     def on_partial(self, engine: EnginePeer, fields: list) -> None:
         out: dict[bytes, list] = {}
-        for rid, tokens, log_probs, versions, extra in fields[0]:
+        for rid, tokens, log_probs, versions, extra, experts in fields[0]:
             p = self.requests.get(rid)
             if p is None or p.engine != engine.identity:
                 self.counters["late_partials"] += 1
@@ -246,10 +247,12 @@ class RequestPath:
             p.resume_tokens += tokens
             p.resume_log_probs += log_probs
             p.resume_versions += versions
+            if experts is not None:
+                p.resume_experts += experts
             p.reserved -= n
             self.router.release(engine.identity, n)
             if p.stream and p.client in self.clients:
-                row = [p.client_request_id, tokens, log_probs, versions, extra]
+                row = [p.client_request_id, tokens, log_probs, versions, extra, experts]
                 out.setdefault(p.client, []).append(row)
         self.counters["partials"] += len(fields[0])
         for identity, rows in out.items():
