@@ -145,6 +145,23 @@ def test_adapter_only_updates_in_the_embedded_engine_equal_the_merged_model(arch
         manager.close()
 
 
+def test_trainer_hooks_push_a_peft_models_adapter():
+    from trainer_hooks.hooks import RolloutHooks
+
+    pm = make_peft()
+    model, _ = from_transformers(pm)
+    manager = RolloutManager(model=model, inference_config=InferenceConfig(**ICFG))
+    try:
+        hooks = RolloutHooks(manager, model=pm)
+        _perturb(pm, seed=2, std=0.2, lora=True)
+        hooks.on_step_end(0)
+        assert hooks.metrics["rollout/version"] == 1
+        assert manager.stats()["weight_sync/bytes"] == adapter_bytes(pm)
+        assert_matches_merged(manager, pm)
+    finally:
+        manager.close()
+
+
 def test_paged_packed_and_static_decode_paths_add_the_adapter():
     """The MKL-packed base plus the adapter's term, and the fixed-shape (CUDA-graph) decode,
     equal the dense forward."""
@@ -252,3 +269,24 @@ def test_bad_adapter_files_and_updates_are_refused(tmp_path):
 
 def _base(pm):
     return from_transformers(copy.deepcopy(pm).unload())[0]
+
+
+def test_recipe_config_adapter_path_builds_an_unmerged_lora_model(tmp_path):
+    from rollout.config import ConfigError, RunConfig, validate
+    from rollout.config.builders import build_model_and_tokenizer
+
+    pm = make_peft()
+    _perturb(pm, seed=6, std=0.2, lora=True)
+    copy.deepcopy(pm).unload().save_pretrained(tmp_path / "base")
+    pm.save_pretrained(tmp_path / "adapter")
+    run = RunConfig()
+    run.model.name, run.model.path, run.model.tokenizer = "hf_dir", str(tmp_path / "base"), "byte"
+    run.model.vocab_size = 101
+    run.model.adapter_path = str(tmp_path / "nowhere")
+    with pytest.raises(ConfigError, match="adapter_path"):
+        validate(run)
+    run.model.adapter_path = str(tmp_path / "adapter")
+    model, _, _ = build_model_and_tokenizer(validate(run))
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        assert (model(ids) - pm(ids).logits).abs().max().item() <= TOLERANCE
