@@ -290,3 +290,34 @@ def test_recipe_config_adapter_path_builds_an_unmerged_lora_model(tmp_path):
     ids = torch.tensor([PROMPTS[0]])
     with torch.no_grad():
         assert (model(ids) - pm(ids).logits).abs().max().item() <= TOLERANCE
+
+
+def test_a_restarted_engine_serves_the_last_base_and_adapter():
+    """dp=2: a base-only update, then an adapter-only one, then an engine is killed: it restarts
+    from its base and adapter folders plus the snapshot (both parts at their last values)."""
+    import os
+    import signal
+
+    from fake_engine import wait_for
+
+    pm = make_peft()
+    fast = {"heartbeat_s": 0.2, "engine_timeout_s": 1.0, "policy": "round_robin"}
+    llm = LLM(pm, None, InferenceConfig(**ICFG), use_coordinator=True, data_parallel_size=2,
+              coordinator=fast)  # fmt: skip
+    cluster = llm.cluster
+    try:
+        _perturb(pm, seed=1, std=0.05, lora=False)
+        base = {n.replace(".base_layer.", "."): t for n, t in pm.get_base_model().state_dict().items()
+                if "lora_" not in n}  # fmt: skip
+        llm.update_weights(base, 1)
+        _perturb(pm, seed=2, std=0.2, lora=True)
+        llm.update_weights(pm, 2)
+        dead = cluster.engine_processes[1]
+        os.kill(dead.pid, signal.SIGKILL)
+        dead.join(10)
+        wait_for(lambda: cluster.supervision_stats()["restarts"] == 1, 90, "restart")
+        wait_for(lambda: sorted(cluster.stats()["engines"]) == [0, 1], 90, "2 engines")
+        assert {e["weight_version"] for e in cluster.stats()["engines"].values()} == {2}
+        assert_matches_merged(llm, pm)  # round robin: both engines answer
+    finally:
+        llm.shutdown()
