@@ -19,6 +19,7 @@ from rollout.models.lora import (
     LoraSpec,
     adapter_state_dict,
     apply_lora,
+    from_peft_names,
     load_adapter,
     lora_spec,
     save_adapter,
@@ -260,6 +261,9 @@ def test_bad_adapter_files_and_updates_are_refused(tmp_path):
     (tmp_path / "a/adapter_config.json").write_text(json.dumps({**cfg, "r": 2}))
     with pytest.raises(ValueError, match="mis-shaped"):
         load_adapter(_base(pm), tmp_path / "a")
+    expert = {"base_model.model.model.layers.0.mlp.experts.3.up_proj.lora_A.weight": torch.zeros(1)}
+    with pytest.raises(ValueError, match="LoRA on MoE experts"):
+        from_peft_names(expert)
     llm = LLM(model, None, InferenceConfig(**ICFG))
     half = dict(list(adapter_state_dict(model).items())[:3])  # a partial adapter: refused
     with pytest.raises(ValueError, match="missing tensors"):

@@ -156,6 +156,10 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def from_peft_names(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """PEFT's adapter names (`base_model.model.X.lora_A.weight`, with or without an adapter
     name such as `.lora_A.default.weight`) -> the engine's (`X.lora_A.weight`)."""
+    experts = [n for n in tensors if ".experts." in n]
+    if experts:  # transformers 4.x / per-expert Linear modules: the engine stacks experts
+        raise ValueError(f"LoRA on MoE experts is not supported (adapter tensors {experts[:3]}); "
+                         "target the attention and shared-expert projections")  # fmt: skip
     out = {}
     for name, t in tensors.items():
         name = name.removeprefix(PEFT_PREFIX)
