@@ -244,6 +244,8 @@ def test_snapshot_keeps_the_base_across_adapter_only_updates(tmp_path, mode):
         ({"target_parameters": ["mlp.experts.gate_up_proj"]}, "target_parameters"),
         ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
         ({"r": 0}, "r must be"),
+        ({"exclude_modules": ["q_proj"]}, "exclude_modules"),
+        ({"lora_bias": True}, "lora_bias"),
     ],
 )
 def test_unsupported_adapters_are_refused_by_name(options, match):

@@ -46,6 +46,16 @@ _UNSUPPORTED = {
     "layers_to_transform": None,
     "target_parameters": None,
     "trainable_token_indices": None,
+    "exclude_modules": None,
+    "lora_bias": False,
+    "layer_replication": None,
+    "alora_invocation_tokens": None,
+    "use_qalora": False,
+    "use_bdlora": None,
+    "velora_config": None,
+    "monteclora_config": None,
+    "kasa_config": None,
+    "arrow_config": None,
 }
 
 
