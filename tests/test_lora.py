@@ -123,13 +123,16 @@ def test_peft_adapter_folder_loads_unmerged_and_matches_peft(tmp_path):
         assert torch.equal(again(ids).logits, pm(ids).logits)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2-moe"])
-def test_adapter_only_updates_in_the_embedded_engine_equal_the_merged_model(arch):
+@pytest.mark.parametrize(
+    ("arch", "weight_update"), [("qwen3", "pause"), ("qwen2-moe", "pause"), ("qwen3", "staged")]
+)
+def test_adapter_only_updates_in_the_embedded_engine_equal_the_merged_model(arch, weight_update):
     """The trainer hooks' path: `RolloutManager.update_weights(peft_model)` pushes the adapter
-    alone; a later base-weight update keeps it (they compose)."""
+    alone (copied in place, or staged and flipped); a later base-weight update keeps it."""
     pm = make_peft(arch)
     model, _ = from_transformers(pm)
-    manager = RolloutManager(model=model, inference_config=InferenceConfig(**ICFG))
+    icfg = InferenceConfig(**ICFG, weight_update=weight_update)
+    manager = RolloutManager(model=model, inference_config=icfg)
     try:
         for step in (1, 2):
             _perturb(pm, seed=step, std=0.2, lora=True)
