@@ -70,6 +70,7 @@ SNIPPETS = {
     "### As a trainer's rollout layer": "test_trainer_snippet",
     "### Multi-turn, tool-using episodes": "test_episode_snippet",
     "### As an inference library": "test_inference_snippet",
+    "### LoRA: push the adapter, not the merged model": "test_lora_snippet",
     "### OpenAI-compatible HTTP": "test_http_section",
     "### TRL's GRPOTrainer": "test_trl_snippet",
     "### Routing replay for MoE models (R3)": "test_routing_replay_snippet",
@@ -644,6 +645,18 @@ def test_trl_snippet(tmp_path):
         assert ns["manager"].version == 3  # train start + one push per step
     finally:
         ns["manager"].close()
+
+
+def test_lora_snippet():
+    """The LoRA block: 2 steps of a PEFT-wrapped Qwen3, each pushing the adapter alone."""
+    ns = exec_snippet(
+        "### LoRA: push the adapter, not the merged model", {"print": lambda *a: None}
+    )
+    manager, policy = ns["manager"], ns["policy"]
+    assert manager.version == 2
+    adapter = sum(p.numel() * 4 for n, p in policy.named_parameters() if "lora_" in n)
+    assert manager.stats()["weight_sync/bytes"] == adapter
+    assert adapter < sum(p.numel() * 4 for p in policy.parameters()) / 5
 
 
 def test_episode_snippet():

@@ -18,6 +18,7 @@ from rollout.engine.config import InferenceConfig
 from rollout.metrics import make_logger
 from rollout.models import kv_bytes_per_block as model_kv_bytes
 from rollout.models.config import ModelConfig
+from rollout.models.lora import load_adapter
 from rollout.rl.manager import RolloutManager, RolloutManagerConfig
 from rollout.sampling import SamplingParams
 from rollout.serving import factory
@@ -59,13 +60,15 @@ def build_model_and_tokenizer(run: RunConfig) -> tuple[Any, Any, Any]:
     processes build theirs (rollout.serving.factory).
 
     Presets are initialised from recipe.seed with the tokenizer's vocabulary; hf_dir loads the
-    checkpoint. The model is in train mode (the trainer owns it; engines get copies/weights).
+    checkpoint; model.adapter_path applies a PEFT LoRA adapter folder, unmerged. The model is in train mode (the trainer owns it; engines get copies/weights).
     """
     tok = build_tokenizer(run)
     model, mc = factory.model_from_source(
         _model_source(run), seed=run.recipe.seed, device=resolve_device(run),
         dtype=torch_dtype(run), vocab_size=run.model.vocab_size or tok.vocab_size,
     )  # fmt: skip
+    if run.model.adapter_path:  # unmerged: engines get the base and the adapter apart
+        load_adapter(model, run.model.adapter_path)
     return model.train(), tok, mc
 
 

@@ -90,6 +90,10 @@ def _check_model(run: RunConfig, errors: list[str]) -> None:
             errors.append(
                 f"model.path={path!r} has no config.json (expected a HF checkpoint folder)"
             )
+    if m.adapter_path is not None:
+        _need(errors, (Path(m.adapter_path) / "adapter_config.json").is_file(),
+              f"model.adapter_path={m.adapter_path!r} has no adapter_config.json "
+              "(expected a PEFT LoRA adapter folder)")  # fmt: skip
     if m.vocab_size is not None:
         _need(
             errors, m.vocab_size >= 1, f"model.vocab_size must be >= 1 or null, got {m.vocab_size}"

@@ -58,6 +58,7 @@ class ModelCfg:
 
     name: str = "tiny"
     path: str | None = None  # HF checkpoint folder (config.json + *.safetensors) for hf_dir
+    adapter_path: str | None = None  # PEFT LoRA adapter folder, applied unmerged (models.lora)
     tokenizer: str | None = "byte"  # "byte" (ByteTokenizer) or a tokenizer path; None = path
     vocab_size: int | None = None  # presets: None = the tokenizer's vocabulary
     dtype: DType = DType.float32

@@ -537,7 +537,8 @@ class DynamicInferenceEngine:
         """Copy `state_dict` into the model in place and stamp `version`.
 
         A new version is a whole model: every tensor of the model, each with its shape (a
-        forgotten one would silently keep serving old weights); floating-point tensors cast to
+        forgotten one would silently keep serving old weights), or with a LoRA adapter the whole
+        adapter or the whole base (rollout.models.lora.update_scope); floating-point tensors cast to
         the model's dtype, others must match it.
         Anything wrong raises ValueError before a single weight changes. Then every in-flight
         request's staleness goes up by one (policy only for those without KV), the KV policy is

@@ -18,6 +18,15 @@ from safetensors.torch import save_file
 
 from rollout.models.config import ModelConfig
 from rollout.models.llama import DecoderLM
+from rollout.models.lora import (
+    apply_lora,
+    is_adapter_name,
+    is_peft_model,
+    load_adapter,
+    load_adapter_tensors,
+    peft_parts,
+    update_scope,
+)
 from rollout.models.names import split_experts, stack_experts
 
 SINGLE_FILE = "model.safetensors"
@@ -72,7 +81,8 @@ def load_state_dict(
         raise ValueError(f"mis-shaped tensors: {wrong[:10]}")
     if strict:
         optional = {"lm_head.weight"} if tied else set()
-        missing = [n for n in params if n not in tensors and n not in optional]
+        required = update_scope(params, tensors)  # with LoRA: base, adapter or both
+        missing = [n for n in required if n not in tensors and n not in optional]
         if missing:
             raise ValueError(f"missing tensors (not in the checkpoint): {sorted(missing)[:10]}")
     loaded = []
@@ -89,10 +99,12 @@ def load_pretrained(
     path: str | os.PathLike,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
+    adapter: str | os.PathLike | None = None,
 ) -> tuple[DecoderLM, ModelConfig]:
     """HF directory -> (model in eval mode, config).
 
     dtype=None keeps the dtype the tensors were saved in (float32 if the checkpoint holds none).
+    `adapter`: a PEFT LoRA adapter folder applied unmerged (rollout.models.lora).
     """
     path = Path(path)
     config = load_config(path)
@@ -110,6 +122,8 @@ def load_pretrained(
     model.to(dtype=dtype)
     model.tie_weights()
     load_state_dict(model, tensors, strict=True)
+    if adapter is not None:
+        load_adapter(model, adapter)
     return model.eval(), config
 
 
@@ -120,12 +134,14 @@ def save_pretrained(
     max_shard_bytes: int | None = None,
 ) -> list[Path]:
     """Write the HF layout: config.json + model.safetensors, or shards + index if they exceed
-    max_shard_bytes. Returns the safetensors files written."""
+    max_shard_bytes. Returns the safetensors files written. The base model only: a LoRA
+    adapter is saved apart (rollout.models.lora.save_adapter)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = split_experts({
         n: p.detach().to("cpu").contiguous()
         for n, p in model.named_parameters()  # duplicates removed: a tied head is saved once
+        if not is_adapter_name(n)
     })  # fmt: skip
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
@@ -170,7 +186,12 @@ def from_transformers(hf_model: torch.nn.Module) -> tuple[DecoderLM, ModelConfig
     copies of its weights, in its dtype and on the CPU (ValueError naming what is unsupported).
 
     For handing a trainer's transformers model to an engine; later `update_weights(hf_model)`
-    needs no conversion (the names are the same)."""
+    needs no conversion (the names are the same). A PEFT-wrapped model gives its base model
+    with its adapter applied unmerged (rollout.models.lora); `update_weights(peft_model)` then
+    pushes the adapter alone."""
+    adapter = None
+    if is_peft_model(hf_model):
+        hf_model, tensors, spec, adapter = peft_parts(hf_model)
     hf_config = getattr(hf_model, "config", None)
     if not hasattr(hf_config, "to_dict"):
         raise ValueError(
@@ -179,7 +200,9 @@ def from_transformers(hf_model: torch.nn.Module) -> tuple[DecoderLM, ModelConfig
     hf = hf_config.to_dict()
     hf["architectures"] = hf.get("architectures") or [type(hf_model).__name__]  # unsaved models
     config = ModelConfig.from_hf(hf)
-    tensors = {n: t.detach().to("cpu") for n, t in hf_model.state_dict().items()}
+    if adapter is None:
+        tensors = hf_model.state_dict()
+    tensors = {n: t.detach().to("cpu") for n, t in tensors.items()}
     floats = [t.dtype for t in tensors.values() if t.is_floating_point()]
     with torch.device("meta"):
         model = DecoderLM(config)
@@ -187,4 +210,7 @@ def from_transformers(hf_model: torch.nn.Module) -> tuple[DecoderLM, ModelConfig
     model.to(dtype=floats[0] if floats else torch.float32)
     model.tie_weights()
     load_state_dict(model, tensors, strict=True)
+    if adapter is not None:
+        apply_lora(model, spec)
+        load_adapter_tensors(model, {n: t.to("cpu") for n, t in adapter.items()})
     return model.eval(), config

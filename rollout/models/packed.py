@@ -70,7 +70,13 @@ class PackedLinears:
             self._packs.clear()
 
     def __call__(self, x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
-        """F.linear(x, lin.weight, lin.bias), through the pack when x has the packed row count."""
+        """lin(x): the base through the pack when x has the packed row count, plus a LoRA
+        adapter's term when `lin` has one (rollout.models.lora: the base stays packed)."""
+        out = self._base(x, lin)
+        lora = getattr(lin, "lora_delta", None)
+        return out if lora is None else out.add_(lora(x))
+
+    def _base(self, x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
         w = lin.weight
         if x.dim() != 2 or x.shape[0] != self.rows or not w.dtype == x.dtype == torch.float32:
             return F.linear(x, w, lin.bias)

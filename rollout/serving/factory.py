@@ -28,6 +28,7 @@ from rollout.models import (
     save_pretrained,
 )
 from rollout.models.config import MODEL_PRESETS
+from rollout.models.lora import load_adapter, lora_spec, save_adapter
 from rollout.tokenizers import ByteTokenizer, load_tokenizer
 from rollout.weights.snapshot import load_snapshot
 from rollout.weights.state import as_state_dict
@@ -70,15 +71,19 @@ def build_engine(
     vocab_size: int | None = None,
     weight_version: int = 0,
     weights_file: str | None = None,
+    adapter: str | None = None,
     **inference_config: Any,
 ) -> DynamicInferenceEngine:
     """Engine factory for worker processes: `model` is a source (`model_from_source`), a preset
     takes the tokenizer's vocabulary unless `vocab_size`; `tokenizer` a spec
     (`tokenizer_from_source`). `weights_file` (a rollout.weights.snapshot file) replaces the
-    source's weights: a restarted engine starts from the last weights pushed."""
+    source's weights: a restarted engine starts from the last weights pushed. `adapter`: a PEFT
+    LoRA folder applied unmerged (before `weights_file`, which may hold adapter tensors)."""
     tok = tokenizer_from_source(tokenizer, model)
     vocab = vocab_size or (tok.vocab_size if tok is not None else None)
     net, _ = model_from_source(model, seed=seed, device=device, dtype=dtype, vocab_size=vocab)
+    if adapter is not None:
+        load_adapter(net, adapter)
     if weights_file is not None:
         load_state_dict(net, load_snapshot(weights_file), strict=True)
     cfg = InferenceConfig(device=device, dtype=dtype, **inference_config)
@@ -101,7 +106,7 @@ def model_source_kwargs(
                              f"{str(model)!r} is neither")  # fmt: skip
         kw = {"model": str(model)}
     elif isinstance(model, (nn.Module, Mapping)):
-        kw = {"model": str(_save_weights(model, model_config, tmp()))}
+        kw = _save_weights(model, model_config, tmp())
         if tokenizer is None:  # like the embedded engine: token-id prompts only
             kw["tokenizer"] = "none"
             return kw
@@ -111,7 +116,9 @@ def model_source_kwargs(
     return kw
 
 
-def _save_weights(model: Any, model_config: Any, path: Path) -> Path:
+def _save_weights(model: Any, model_config: Any, path: Path) -> dict[str, str]:
+    """Save a module or state_dict source as an HF folder (and its LoRA adapter beside it, as a
+    PEFT folder): the `build_engine` kwargs that load it."""
     if (
         model_config is None
         and isinstance(model, nn.Module)
@@ -128,7 +135,9 @@ def _save_weights(model: Any, model_config: Any, path: Path) -> Path:
         load_state_dict(net, sd)
         model = net
     save_pretrained(model, config, path)
-    return path
+    if lora_spec(model) is None:
+        return {"model": str(path)}
+    return {"model": str(path), "adapter": str(save_adapter(model, path / "adapter"))}
 
 
 def _tokenizer_source(tokenizer: Any, kw: dict, tmp: Callable[[], Path]) -> str | None:

@@ -46,7 +46,11 @@ class WeightSnapshot:
         cost a fault and a zeroed page each, several times the copy itself."""
         with self._lock:  # emptied while refilled: a failed copy leaves no mixed version
             kept, self._tensors, self.version = self._tensors, None, None
+            old_file, old_aliases = self._file, self._aliases
+        if kept is None and old_file is not None:  # disk mode: the last version is the file
+            kept, old_aliases = _read(str(old_file))
         tensors, aliases = _unique_cpu_copies(state_dict, kept or {})
+        _carry_the_rest(tensors, aliases, kept or {}, old_aliases)
         with self._lock:
             self.version, self._tensors, self._aliases, self._file = version, tensors, aliases, None
             if self.mode == "disk":
@@ -91,6 +95,22 @@ class WeightSnapshot:
         self._file = path
 
 
+def _carry_the_rest(
+    tensors: dict[str, torch.Tensor],
+    aliases: dict[str, str],
+    kept: Mapping[str, torch.Tensor],
+    old_aliases: Mapping[str, str],
+) -> None:
+    """A partial update (a LoRA adapter alone, or a LoRA model's base alone: rollout.models.lora)
+    leaves the other tensors at their last pushed values; a whole model replaces every name."""
+    for name, t in kept.items():
+        if name not in tensors and name not in aliases and name not in old_aliases:
+            tensors[name] = t
+    for alias, name in old_aliases.items():
+        if alias not in tensors and alias not in aliases and name in tensors:
+            aliases[alias] = name
+
+
 def _unique_cpu_copies(
     state_dict: Mapping[str, torch.Tensor], reuse: Mapping[str, torch.Tensor]
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -116,11 +136,16 @@ def _unique_cpu_copies(
 
 def load_snapshot(path: str) -> dict[str, torch.Tensor]:
     """A snapshot file -> state_dict with every name (aliases point at the same tensor)."""
+    tensors, aliases = _read(path)
+    for alias, name in aliases.items():
+        tensors[alias] = tensors[name]
+    return tensors
+
+
+def _read(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     from safetensors import safe_open
 
     with safe_open(path, framework="pt", device="cpu") as f:
         tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
         aliases = json.loads((f.metadata() or {}).get(_ALIASES, "{}"))
-    for alias, name in aliases.items():
-        tensors[alias] = tensors[name]
-    return tensors
+    return tensors, aliases

@@ -12,11 +12,16 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from rollout.models.lora import peft_adapter, update_scope
 from rollout.weights.layout import _byte_view
 
 
 def as_state_dict(source: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A name -> tensor mapping from a module (its state_dict, detached) or a mapping."""
+    """A name -> tensor mapping from a module (its state_dict, detached) or a mapping; a
+    PEFT-wrapped module gives its adapter alone (an adapter-only update: rollout.models.lora)."""
+    adapter = peft_adapter(source)
+    if adapter is not None:
+        return adapter
     if isinstance(source, nn.Module):
         return {k: v.detach() for k, v in source.state_dict().items()}
     if isinstance(source, Mapping):
@@ -48,7 +53,7 @@ def check_compatible(
             f"unexpected tensors {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
         )
     if strict:
-        missing = sorted(set(target) - set(specs))
+        missing = sorted(update_scope(target, specs) - set(specs))  # a LoRA model: see there
         if missing:
             problems.append(f"missing tensors {missing[:8]}{'...' if len(missing) > 8 else ''}")
     for name, (dtype, shape) in specs.items():
