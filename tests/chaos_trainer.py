@@ -80,7 +80,7 @@ class Trainer:
         run = validate(self.run)
         options = cluster_options(run)
         options["coordinator"]["client_timeout_s"] = self.client_timeout_s
-        m = RolloutManager(manager_config(run, dp=2), model=self.model, tokenizer=self.tok,
+        m = RolloutManager(manager_config(run, dp=2, collect_timeout_s=120.0), model=self.model, tokenizer=self.tok,
                            inference_config=inference_config(run), cluster_options=options)  # fmt: skip
         m.engine.cluster.sync.bucket_bytes = 32 << 10
         m.engine.cluster.sync.timeout_s = 20.0  # an update the attacker stalls fails in 20 s

@@ -62,18 +62,17 @@ def _run_loop(client_timeout_s: float, freeze_s: float) -> dict:
 
 def _check(done: dict) -> None:
     c = done["counts"]
-    # 6 loop updates, 1 after the new manager; each applied or refused, never both or neither
-    assert c["applied"] + c["refused"] == len(SCHEDULE), done
-    assert c["applied"] >= len(SCHEDULE) - 3, done  # the attacks may stall an update: refused
-    assert all(r for r in done["refusals"]), done
+    # 6 loop updates and 1 from the new manager: every one applied (the attacks never stall or
+    # redirect one: test_weight_path_trust shows the same one by one); a refusal would have been
+    # checked (a clear error, both engines still on the previous version) and counted here
+    assert c["applied"] == len(SCHEDULE) and c["refused"] == 0, done
     assert c["managers"] == 2 and c["coordinator_errors"] == 1, done
     assert c["restarted_engines"] == 1 and c["attacker_writes"] == 3000, done
     assert c["rejoins"] >= 1, done  # the coordinator forgot the frozen trainer; it joined again
     # every sample of every batch (2 groups of 4 per step but the coordinator's) was checked
     assert c["samples"] == 8 * (len(SCHEDULE) - 1) and c["tokens_checked"] == 6 * c["samples"]
-    # both engines decoded the reference after every applied update and every refusal (4
-    # samples each), and after the restart
-    assert c["greedy_checked"] == 4 * (c["applied"] + c["refused"] + c["restarted_engines"])
+    # both engines decoded the reference after every update (4 samples each) and the restart
+    assert c["greedy_checked"] == 4 * (c["applied"] + c["restarted_engines"])
     assert done["versions"] == list(range(c["applied"] + 1)), done
 
 
