@@ -54,8 +54,12 @@ GROUP = 4  # samples per prompt
 LOGPROB_TOL = 1e-4
 
 
+T0 = time.monotonic()
+
+
 def emit(event: str, **fields) -> None:
-    print(json.dumps({"event": event, **fields}), flush=True)
+    """One event line; `t` (seconds since start) tells where a slow run spends its time."""
+    print(json.dumps({"event": event, "t": round(time.monotonic() - T0, 1), **fields}), flush=True)
 
 
 class Trainer:
