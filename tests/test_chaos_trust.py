@@ -34,15 +34,20 @@ SCHEDULE = ["ipc", "aborts", "group", "engine", "freeze", "coordinator", "plain"
 
 
 def _run_loop(client_timeout_s: float, freeze_s: float) -> dict:
-    tests = os.path.dirname(__file__)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join([os.getcwd(), tests])}  # fmt: skip
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), tests]),
+    }  # this checkout's
     trainer = subprocess.Popen([sys.executable, os.path.join(tests, "chaos_trainer.py"),
                                 ",".join(SCHEDULE), str(client_timeout_s)],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
     events = []
     try:
         for line in trainer.stdout:
+            if not line.startswith("{"):
+                continue  # a library's print, not the trainer's event
             event = json.loads(line)
             events.append(event)
             if event["event"] == "freeze":
