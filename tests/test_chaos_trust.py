@@ -35,11 +35,8 @@ SCHEDULE = ["ipc", "aborts", "group", "engine", "freeze", "coordinator", "plain"
 
 def _run_loop(client_timeout_s: float, freeze_s: float) -> dict:
     tests = os.path.dirname(os.path.abspath(__file__))
-    env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": os.pathsep.join([os.path.dirname(tests), tests]),
-    }  # this checkout's
+    path = os.pathsep.join([os.path.dirname(tests), tests])  # this checkout, not the cwd's
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
     trainer = subprocess.Popen([sys.executable, os.path.join(tests, "chaos_trainer.py"),
                                 ",".join(SCHEDULE), str(client_timeout_s)],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
