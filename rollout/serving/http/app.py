@@ -39,7 +39,9 @@ from rollout.serving.http.schemas import (
     finish_reason,
     sampling_params,
 )
+from rollout.serving.http.scoring import completion_logprobs
 from rollout.serving.http.text_checks import refuse_lone_surrogates
+from rollout.serving.http.token_routes import router as token_router
 from rollout.tokenizers import detokenize_with, tokenize_with
 
 log = logging.getLogger(__name__)
@@ -113,6 +115,7 @@ def build_app(
 
     app = FastAPI(title="rollout", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.backend = be
+    app.include_router(token_router)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> Response:
@@ -139,7 +142,7 @@ def build_app(
     async def _auth_and_metrics(request: Request, call_next: Callable) -> Response:
         path = request.url.path
         route = route_label(app.router.routes, request.scope)
-        guarded = path.startswith("/v1/") or path == "/metrics"
+        guarded = path != "/health"  # /v1, /metrics, and vLLM's root routes (token_routes)
         if guarded and be.http_token is not None:
             scheme, _, given = request.headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not tokens_match(given, be.http_token):
@@ -268,7 +271,8 @@ async def _generate(be: Backend, req: Any, request: Request, prompts: list[list[
             ticket.release()
     choices = [_choice(be, req, i, prompts[i // len(sps)], rec, chat)
                for i, rec in enumerate(records)]  # fmt: skip
-    usage = _usage(prompts, len(sps), [len(r.generated_tokens) for r in records])
+    generated = [0 if _scores_only(req) else len(r.generated_tokens) for r in records]
+    usage = _usage(prompts, len(sps), generated)
     be.metrics.tokens(usage["prompt_tokens"], usage["completion_tokens"])
     return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
                          "created": int(time.time()), "model": be.model_name,
@@ -329,6 +333,10 @@ def _usage(prompts: list[list[int]], n: int, generated: list[int]) -> dict[str, 
             "total_tokens": prompt_tokens + completion}  # fmt: skip
 
 
+def _scores_only(req: Any) -> bool:
+    return isinstance(req, CompletionRequest) and req.scores_only()
+
+
 def _choice(be: Backend, req: Any, index: int, prompt: list[int], rec: Any, chat: bool) -> dict:
     tokens = list(rec.generated_tokens)
     text = rec.generated_text if rec.generated_text is not None else be.text(tokens)
@@ -343,11 +351,15 @@ def _choice(be: Backend, req: Any, index: int, prompt: list[int], rec: Any, chat
         )
         return {"index": index, "message": {"role": "assistant", "content": text},
                 "logprobs": lp, "finish_reason": reason, **ext}  # fmt: skip
+    if req.scores_only():  # nothing generated: the token the prompt's forward sampled is dropped
+        text, reason = "", "length"
+        ext.update(token_ids=[], token_logprobs=[], weight_versions=[])
     if req.echo:
         text = be.text(prompt) + text
     lp = None
     if req.logprobs is not None:
-        lp, _ = _completion_logprobs(be, tokens, rec.generated_log_probs, _tops(rec, len(tokens)))
+        gen_tops = [] if req.scores_only() else _tops(rec, len(tokens))
+        lp = completion_logprobs(be.text, prompt if req.echo else None, rec, gen_tops)
     return {"index": index, "text": text, "logprobs": lp, "finish_reason": reason, **ext}
 
 

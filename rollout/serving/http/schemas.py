@@ -87,6 +87,13 @@ class CompletionRequest(_Common):
     best_of: int | None = None
     suffix: str | None = None
 
+    def wants_prompt_logprobs(self) -> bool:
+        return self.echo and self.logprobs is not None
+
+    def scores_only(self) -> bool:
+        """max_tokens 0 with echo: the prompt's log-probs, nothing generated (as vLLM)."""
+        return self.echo and self.max_tokens == 0
+
 
 class ChatRequest(_Common):
     messages: list[dict[str, Any]] = Field(min_length=1)
@@ -114,6 +121,8 @@ def _refuse_unsupported(req: _Common) -> None:
             raise bad_request("best_of is not supported by this server", "best_of")
         if req.suffix:
             raise bad_request("suffix is not supported by this server", "suffix")
+        if req.echo and req.stream:
+            raise bad_request("echo is not supported with stream: true", "echo")
     if not 1 <= req.n <= 128:
         raise bad_request(f"n must be in [1, 128], got {req.n}", "n")
 
@@ -138,6 +147,10 @@ def sampling_params(
     else:
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
         top_n = req.logprobs or 0
+        if req.scores_only():
+            max_tokens = 1  # the prompt's forward samples one token anyway; it is not returned
+        elif max_tokens == 0:
+            raise bad_request("max_tokens 0 (scoring) needs echo: true", "max_tokens")
     kw: dict[str, Any] = {
         "num_tokens_to_generate": max_tokens,
         "stop_words": [req.stop] if isinstance(req.stop, str) else list(req.stop or []),
@@ -146,6 +159,8 @@ def sampling_params(
         "top_n_logprobs": top_n,
         "ignore_eos": req.ignore_eos,
         "logprobs_mode": VLLM_LOGPROBS_MODES[mode],
+        "return_prompt_log_probs": isinstance(req, CompletionRequest)
+        and req.wants_prompt_logprobs(),
     }
     for name in ("temperature", "top_p", "top_k"):
         if getattr(req, name) is not None:
