@@ -117,6 +117,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs_mode: str | None = None
     return_routed_experts: bool = False
+    include_stop_str_in_output: bool = False  # keep the stop word in the generated text
 
     def __post_init__(self) -> None:
         self.temperature = _float("temperature", self.temperature)
@@ -160,6 +161,9 @@ class SamplingParams:
                     f"got {_short(self.logprobs_mode)}"
                 )  # a str subclass (a config enum) is stored as the plain str it equals
             self.logprobs_mode = LOGPROBS_MODES[LOGPROBS_MODES.index(self.logprobs_mode)]
+        self.include_stop_str_in_output = _bool(
+            "include_stop_str_in_output", self.include_stop_str_in_output
+        )
 
     @property
     def is_greedy(self) -> bool:
@@ -234,6 +238,7 @@ def _already_valid(d: dict[str, Any]) -> bool:
         and type(d["return_routed_experts"]) is bool
         and (d["logprobs_mode"] is None or type(d["logprobs_mode"]) is str)
         and d["logprobs_mode"] in _MODES_OR_NONE
+        and type(d["include_stop_str_in_output"]) is bool
         and type(words) is list
         and len(words) <= MAX_STOP_WORDS
         and (not words or all(type(w) is str and 0 < len(w) <= MAX_STOP_WORD_CHARS for w in words))

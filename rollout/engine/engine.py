@@ -20,6 +20,7 @@ device) raise EngineBrokenError out of `step()`.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -39,8 +40,8 @@ from rollout.engine.intake import (
     Prompt,
     RequestError,
     check_request,
+    check_stop_words,
     new_record,
-    stop_word_ids,
 )
 from rollout.engine.interface import StepOutput
 from rollout.engine.kv_pool import KVPool
@@ -123,6 +124,7 @@ class DynamicInferenceEngine:
         self._ids = itertools.count()
         self._seed_rng = int.from_bytes(os.urandom(8), "little")
         self._eos = eos_ids_of(tokenizer, self.model_config)
+        self._decode = functools.partial(detokenize_with, tokenizer) if tokenizer else None
         self.counters = {"steps": 0, "tokens_generated": 0, "requests_finished": 0,
                          "requests_failed": 0, "request_faults": 0, "step_failures": 0,
                          "weight_updates": 0, "forward_time_s": 0.0}  # fmt: skip
@@ -172,7 +174,7 @@ class DynamicInferenceEngine:
         try:
             check_request(req, self.config, self.vocab_size, self.kv.num_blocks)
             check_routing(req, self.routing)
-            stop_words = stop_word_ids(self.tokenizer, req.sampling_params)
+            check_stop_words(self.tokenizer, req.sampling_params)
         except RequestError as e:
             self._fail(record, e)
             return record
@@ -187,7 +189,7 @@ class DynamicInferenceEngine:
         if given:
             req.precomputed_block_hashes = list(given)
         seq = Sequence(record, seed, record.requests[0].prompt_length, self.config.block_size,
-                       stop_words, self._eos, given)  # fmt: skip
+                       self._eos, given, self._decode)  # fmt: skip
         seq.streamed = seq.num_generated
         seq.log_probs = [x for r in record.requests for x in r.generated_log_probs]
         self._seqs[rid] = seq
@@ -412,6 +414,8 @@ class DynamicInferenceEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         record, req = seq.record, seq.request
         text = detokenize_with(self.tokenizer, seq.tokens[seq.first_prompt_len :])  # may raise
+        if seq.text_end is not None:  # cut at the stop word
+            text = seq.text.text[: seq.text_end]
         req.stop_reason = reason
         req.status = Status.COMPLETED
         req.add_event_finish()

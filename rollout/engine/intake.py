@@ -106,14 +106,7 @@ def check_request(
         )
 
 
-def stop_word_ids(tokenizer: Any, sp: SamplingParams) -> list[list[int]]:
-    """`sp.stop_words` as token-id sequences (no BOS; words that tokenize to nothing dropped)."""
-    if not sp.stop_words:
-        return []
-    if tokenizer is None:
+def check_stop_words(tokenizer: Any, sp: SamplingParams) -> None:
+    """Stop words match the decoded text, so they need a tokenizer to decode with."""
+    if sp.stop_words and tokenizer is None:
         raise RequestError("stop_words need a tokenizer")
-    try:
-        words = [tokenize_with(tokenizer, s, bos=False) for s in sp.stop_words]
-    except Exception as e:
-        raise RequestError(f"stop_words cannot be tokenized: {type(e).__name__}: {e}") from e
-    return [w for w in words if w]

@@ -9,12 +9,14 @@ compute `tokens[num_computed:]` (possibly in chunks) and sample after the last o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
 import torch
 
 from rollout import hashing
+from rollout.detokenizer import IncrementalDetokenizer, find_stop
 from rollout.hashing import HASH_MODULUS
 from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord
 
@@ -26,18 +28,24 @@ class Sequence:
         seed: int,
         first_prompt_len: int,
         block_size: int,
-        stop_words: list[list[int]],
         eos_ids: frozenset[int],
         block_hashes: list[int] | None = None,
+        decode: Callable[[list[int]], str] | None = None,
     ) -> None:
         self.record = record
         self.seed = seed
         self.first_prompt_len = first_prompt_len  # stop words only match after it
         self.block_size = block_size
-        self.stop_words = stop_words
         self.eos_ids = eos_ids
         req = record.requests[-1]
         self.tokens: list[int] = req.prompt_tokens.tolist() + list(req.generated_tokens)
+        # stop words match the generated text as it is decoded (also inside one token); the
+        # generated text is then cut where the stop word starts (or ends, when it is kept)
+        self.stop_words = list(req.sampling_params.stop_words) if decode is not None else []
+        self.text: IncrementalDetokenizer | None = None
+        if self.stop_words:
+            self.text = IncrementalDetokenizer(decode, self.tokens[first_prompt_len:])
+        self.text_end: int | None = None  # where the generated text is cut (a stop word)
         self.num_computed = 0
         self.block_table: list[int] = []
         self._digests: list[bytes] = []
@@ -135,9 +143,11 @@ class Sequence:
             return "stop_token"
         if not sp.ignore_eos and token in self.eos_ids:
             return "eos"
-        for word in self.stop_words:
-            n = len(word)
-            if n <= self.num_generated and self.tokens[-n:] == word:
+        if self.text is not None and (new := self.text.add(token)):
+            hit = find_stop(self.text.text, len(new), self.stop_words)
+            if hit is not None:
+                start, word = hit
+                self.text_end = start + len(word) if sp.include_stop_str_in_output else start
                 return "stop_word"
         if len(req.generated_tokens) >= sp.num_tokens_to_generate:
             return "length"

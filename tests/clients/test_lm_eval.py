@@ -15,8 +15,10 @@ pytestmark = [pytest.mark.clients, pytest.mark.timeout(900)]
 
 lm_eval = pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.evaluator import simple_evaluate  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.models.openai_completions import LocalCompletionsAPI  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
 
 MC_DOCS = [
     {"question": "The capital of france is", "choices": [" Paris", " Rome", " sunny"], "answer": 0},
@@ -106,10 +108,10 @@ def test_tasks_equal_the_hf_backend(models, tmp_path):
     first = api.generate_until([Instance("generate_until", doc={}, idx=0, arguments=(
         "Question: 2 + 2 = ? Answer:", {"until": ["\n\n\n"], "max_gen_toks": 24, "do_sample": False}))])[0]  # fmt: skip
     until = [first[len(first) // 2 : len(first) // 2 + 3] or "e", "\n"]
-    tasks = lm_eval.tasks.TaskManager(include_path=str(_task_dir(tmp_path, until)))
+    tasks = TaskManager(include_path=str(_task_dir(tmp_path, until)))
     results = {}
     for name, lm in (("api", api), ("hf", hf)):
-        out = lm_eval.simple_evaluate(model=lm, tasks=["tiny_mc", "tiny_gen"],
+        out = simple_evaluate(model=lm, tasks=["tiny_mc", "tiny_gen"],
                                       task_manager=tasks, log_samples=True)  # fmt: skip
         results[name] = out
     for task in ("tiny_mc", "tiny_gen"):

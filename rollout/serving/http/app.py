@@ -437,6 +437,7 @@ async def _stream(be: Backend, req: Any, prompts: list[list[int]], sps: list[Sam
     text_offsets = [0] * len(jobs)
     want_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
     live = len(jobs)
+    hold = max((len(w) for w in sps[0].stop_words), default=1) - 1  # as vLLM holds back
     try:
         if chat:
             for i in range(len(jobs)):
@@ -463,6 +464,7 @@ async def _stream(be: Backend, req: Any, prompts: list[list[int]], sps: list[Sam
                 streamed[i].extend(tokens)
                 # a trailing U+FFFD may be an incomplete UTF-8 sequence: held until it resolves
                 stable = be.text(streamed[i]).rstrip("\ufffd")
+                stable = stable[: max(0, len(stable) - hold)]  # may start a stop word
                 delta = stable[len(sent_text[i]) :] if stable.startswith(sent_text[i]) else ""
                 sent_text[i] += delta
             else:  # the final record: whatever the partials did not carry

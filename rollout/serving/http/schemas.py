@@ -5,9 +5,9 @@ Field names are OpenAI's; unknown fields are ignored (clients send many optional
 ones are validated strictly (`true` is not a token id, `"2"` not a count), while
 parameters this server cannot honour (penalties, logit_bias, best_of) are refused rather than
 silently dropped, since a caller relying on them would get different samples. Extension fields:
-`top_k`, `ignore_eos`, `stop_token_ids`, `logprobs_mode` (vLLM's values raw_logprobs |
-processed_logprobs; default: the server's --logprobs-mode), and `wait` (false: answer 503
-instead of waiting while engines are paused or suspended).
+`top_k`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, `logprobs_mode` (vLLM's
+values raw_logprobs | processed_logprobs; default: the server's --logprobs-mode), and `wait`
+(false: answer 503 instead of waiting while engines are paused or suspended).
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     logprobs_mode: str | None = None
+    include_stop_str_in_output: bool = False
     wait: bool = True
 
     def include_usage(self) -> bool:
@@ -159,6 +160,7 @@ def sampling_params(
         "top_n_logprobs": top_n,
         "ignore_eos": req.ignore_eos,
         "logprobs_mode": VLLM_LOGPROBS_MODES[mode],
+        "include_stop_str_in_output": req.include_stop_str_in_output,
         "return_prompt_log_probs": isinstance(req, CompletionRequest)
         and req.wants_prompt_logprobs(),
     }
