@@ -116,6 +116,10 @@ def _add_http_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--logprobs-mode", default="raw_logprobs", choices=sorted(VLLM_LOGPROBS_MODES),
                    help="HTTP log-probs of requests that name no logprobs_mode: raw_logprobs "
                         "(temperature 1) or processed_logprobs (at the request's temperature)")  # fmt: skip
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+                   help="parse chat replies' tool calls in this model family's format")  # fmt: skip
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='parse tool calls when a request has tools and tool_choice "auto"')  # fmt: skip
     _add_http_limits(p)
 
 
@@ -206,6 +210,8 @@ def _check_serve(args: argparse.Namespace) -> None:
         raise SystemExit("rollout serve: --max-restarts and --restart-backoff must be >= 0")
     if args.http_port is not None and not 0 <= args.http_port < 65536:
         raise SystemExit(f"rollout serve: --http-port must be in [0, 65535], got {args.http_port}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("rollout serve: --enable-auto-tool-choice needs --tool-call-parser")
 
 
 def _write_token_file(token: str) -> Path:
@@ -351,7 +357,8 @@ def _serve_http(args: argparse.Namespace, address: str, token: str | None,
                     model_name=args.served_model_name or args.model, chat_template=template,
                     special_tokens=special_tokens_of(args.model) if is_dir else {},
                     http_token=http_token, logprobs_mode=args.logprobs_mode,
-                    limits=work)  # fmt: skip
+                    limits=work, tool_call_parser=args.tool_call_parser,
+                    enable_auto_tool_choice=args.enable_auto_tool_choice)  # fmt: skip
     family = socket.AF_INET6 if ":" in args.http_host else socket.AF_INET
     # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say so; without it a
     # reused connection waits ~40 ms per request (Nagle against delayed ACKs)

@@ -28,6 +28,7 @@ from rollout.engine.intake import RequestError
 from rollout.sampling import VLLM_LOGPROBS_MODES, SamplingParams
 from rollout.serving.auth import tokens_match
 from rollout.serving.client import ClientStopped, InferenceClient, Partial, RequestFailed
+from rollout.serving.http import tool_choice
 from rollout.serving.http.chat import prepare_messages, render_chat
 from rollout.serving.http.limits import Admission, Limits, Ticket, check_logprobs
 from rollout.serving.http.metrics import HTTPMetrics, route_label
@@ -42,6 +43,7 @@ from rollout.serving.http.schemas import (
 from rollout.serving.http.scoring import completion_logprobs
 from rollout.serving.http.text_checks import refuse_lone_surrogates
 from rollout.serving.http.token_routes import router as token_router
+from rollout.serving.http.tool_parsers import PARSERS, ToolStream
 from rollout.tokenizers import detokenize_with, tokenize_with
 
 log = logging.getLogger(__name__)
@@ -94,16 +96,25 @@ def build_app(
     http_token: str | None = None,
     logprobs_mode: str = "raw_logprobs",
     limits: Limits | None = None,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
 ) -> FastAPI:
     """The app for the coordinator at `address` (joined with its `auth_token`). `http_token`:
-    the bearer token every /v1 route and /metrics require (None: no HTTP auth).
+    the bearer token every route but /health requires (None: no HTTP auth).
     `logprobs_mode`: vLLM's spelling, for requests that name none. `limits`: the work it admits
-    (default: `Limits()`)."""
+    (default: `Limits()`). `tool_call_parser` (a tool_parsers.PARSERS name) with
+    `enable_auto_tool_choice` parses tool calls out of chat replies, as vLLM's flags of the
+    same names."""
     if logprobs_mode not in VLLM_LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode must be one of {sorted(VLLM_LOGPROBS_MODES)}, got {logprobs_mode!r}")  # fmt: skip
+    if tool_call_parser is not None and tool_call_parser not in PARSERS:
+        raise ValueError(
+            f"unknown tool_call_parser {tool_call_parser!r}; use one of {sorted(PARSERS)}"
+        )
     be = Backend(address, auth_token, tokenizer, model_name, chat_template,
                  special_tokens or {}, http_token, limits or Limits())  # fmt: skip
     be.logprobs_mode = logprobs_mode
+    be.tool_call_parser, be.enable_auto_tool_choice = tool_call_parser, enable_auto_tool_choice
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -177,6 +188,7 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request) -> Response:
         refuse_lone_surrogates(req)
+        tool_choice.parser_for(be, req)  # 400 before anything runs
         return await _generate(be, req, request, [_chat_prompt(be, req)], chat=True)
 
     return app
@@ -349,8 +361,8 @@ def _choice(be: Backend, req: Any, index: int, prompt: list[int], rec: Any, chat
             if req.logprobs
             else None
         )
-        return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": lp, "finish_reason": reason, **ext}  # fmt: skip
+        msg, reason = tool_choice.message(be, req, rec, text, reason)
+        return {"index": index, "message": msg, "logprobs": lp, "finish_reason": reason, **ext}
     if req.scores_only():  # nothing generated: the token the prompt's forward sampled is dropped
         text, reason = "", "length"
         ext.update(token_ids=[], token_logprobs=[], weight_versions=[])
@@ -438,6 +450,9 @@ async def _stream(be: Backend, req: Any, prompts: list[list[int]], sps: list[Sam
     want_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
     live = len(jobs)
     hold = max((len(w) for w in sps[0].stop_words), default=1) - 1  # as vLLM holds back
+    parser = tool_choice.parser_for(be, req) if chat else None
+    tool_streams = [ToolStream(parser) for _ in jobs] if parser else None
+    calls: list[dict] = []
     try:
         if chat:
             for i in range(len(jobs)):
@@ -467,6 +482,9 @@ async def _stream(be: Backend, req: Any, prompts: list[list[int]], sps: list[Sam
                 stable = stable[: max(0, len(stable) - hold)]  # may start a stop word
                 delta = stable[len(sent_text[i]) :] if stable.startswith(sent_text[i]) else ""
                 sent_text[i] += delta
+                if tool_streams:  # content until a call may have begun
+                    text = tool_choice.reply_text(be, None, streamed[i]).rstrip("\ufffd")
+                    delta = tool_streams[i].content(text[: max(0, len(text) - hold)])
             else:  # the final record: whatever the partials did not carry
                 rec = item.merge()
                 if (err := _failure(rec)) is not None:
@@ -484,6 +502,11 @@ async def _stream(be: Backend, req: Any, prompts: list[list[int]], sps: list[Sam
                     else be.text(list(rec.generated_tokens))
                 )
                 delta = full[len(sent_text[i]) :] if full.startswith(sent_text[i]) else ""
+                if tool_streams:  # the rest of the content, then the calls
+                    single = req.parallel_tool_calls is False
+                    text = tool_choice.reply_text(be, rec)
+                    delta, calls, called = tool_streams[i].finish(text, single)
+                    reason = "tool_calls" if called else reason
                 be.metrics.tokens(len(jobs[i][0]) if i % len(sps) == 0 else 0,
                                   len(rec.generated_tokens))  # fmt: skip
             sent_tokens[i] += len(tokens)
@@ -496,6 +519,8 @@ async def _stream(be: Backend, req: Any, prompts: list[list[int]], sps: list[Sam
             if chat:
                 choice = {"index": i, "delta": {"content": delta} if delta else {},
                           "logprobs": lp, "finish_reason": reason, **ext}  # fmt: skip
+                if calls:
+                    choice["delta"]["tool_calls"], calls = calls, []
             else:
                 choice = {"index": i, "text": delta, "logprobs": lp, "finish_reason": reason,
                           **ext}  # fmt: skip

@@ -1,10 +1,11 @@
 """OpenAI request bodies for /v1/completions and /v1/chat/completions, and their mapping onto
 SamplingParams.
 
-Field names are OpenAI's; unknown fields are ignored (clients send many optional ones), known
-ones are validated strictly (`true` is not a token id, `"2"` not a count), while
-parameters this server cannot honour (penalties, logit_bias, best_of) are refused rather than
-silently dropped, since a caller relying on them would get different samples. Extension fields:
+Field names are OpenAI's (and vLLM's extensions), known ones validated strictly (`true` is not
+a token id, `"2"` not a count). Every parameter is honoured or refused (400 naming it), since a
+caller relying on one would otherwise get different samples: penalties, logit_bias, best_of,
+suffix, response_format other than text, and any field this server does not know (unless null,
+or one of NO_EFFECT, which change nothing a server returns). Extension fields:
 `top_k`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, `logprobs_mode` (vLLM's
 values raw_logprobs | processed_logprobs; default: the server's --logprobs-mode), and `wait`
 (false: answer 503 instead of waiting while engines are paused or suspended).
@@ -53,8 +54,13 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+# Accepted without effect: bookkeeping fields that do not change what a server returns.
+NO_EFFECT = frozenset({"metadata", "store", "service_tier"})
+STREAM_OPTIONS = frozenset({"include_usage"})
+
+
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)  # unknown: refused in _refuse_unknown
 
     model: str | None = None
     temperature: float | None = None
@@ -104,6 +110,9 @@ class ChatRequest(_Common):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None  # rendered by the template (tool-calling agents)
+    tool_choice: str | dict[str, Any] | None = None  # see tool_choice.py
+    parallel_tool_calls: bool | None = None  # false: the first call only
+    response_format: dict[str, Any] | None = None  # {"type": "text"} only
     # extension: token ids of an already-rendered conversation (token-in/token-out agents)
     prompt_token_ids: list[int] | None = None
 
@@ -111,7 +120,21 @@ class ChatRequest(_Common):
 DEFAULT_CHAT_MAX_TOKENS = 256
 
 
+def _refuse_unknown(req: _Common) -> None:
+    for name, value in (req.model_extra or {}).items():
+        if value is not None and name not in NO_EFFECT:
+            raise bad_request(f"{name} is not supported by this server", name)
+    if unknown := sorted(set(req.stream_options or {}) - STREAM_OPTIONS):
+        raise bad_request(f"stream_options.{unknown[0]} is not supported by this server",
+                          "stream_options")  # fmt: skip
+    fmt = getattr(req, "response_format", None)
+    if fmt is not None and fmt.get("type") != "text":
+        raise bad_request(f"response_format {fmt.get('type')!r} is not supported by this server "
+                          "(only text)", "response_format")  # fmt: skip
+
+
 def _refuse_unsupported(req: _Common) -> None:
+    _refuse_unknown(req)
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name) not in (None, 0, 0.0):
             raise bad_request(f"{name} is not supported by this server", name)
