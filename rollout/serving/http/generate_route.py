@@ -1,0 +1,121 @@
+"""vLLM's token-in/token-out route, `POST /inference/v1/generate`, as RL trainers' clients
+call it (verifiers' training client through `renderers.client.generate`): token ids in, token
+ids, their log-probs (`logprobs.content[i].token` is "token_id:<id>", as vLLM writes it) and
+our per-token weight versions out. No text either way: the caller owns the chat template.
+
+Body: `{"model", "token_ids", "sampling_params": {...}}` with vLLM's SamplingParams names.
+Parameters this server honours: max_tokens, temperature, top_p, top_k (-1: off), seed, n, stop,
+stop_token_ids, include_stop_str_in_output, ignore_eos, logprobs (the top-n; the sampled
+token's log-prob is always there); the text-only ones (skip_special_tokens,
+spaces_between_special_tokens, detokenize) change nothing without text. Any other parameter,
+unless null or at vLLM's default, is refused with a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollout.sampling import SamplingParams
+from rollout.serving.http.schemas import APIError, bad_request, finish_reason
+
+router = APIRouter()
+
+TEXT_ONLY = frozenset({"skip_special_tokens", "spaces_between_special_tokens", "detokenize"})
+# vLLM parameters this server does not implement, accepted only at vLLM's default value
+DEFAULTS = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+            "repetition_penalty": 1.0, "min_tokens": 0, "prompt_logprobs": None,
+            "logit_bias": None, "allowed_token_ids": None, "bad_words": None}  # fmt: skip
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # refused below unless null
+
+    model: str | None = None
+    token_ids: list[int] = Field(min_length=1)
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    request_id: str | None = None
+    stream: bool = False
+
+
+def to_sampling_params(p: dict[str, Any]) -> tuple[list[SamplingParams], int | None]:
+    """One SamplingParams per choice (n; seeds seed+i) and the requested top-n (None: no
+    `logprobs` in the reply), or a 400 naming the parameter."""
+    p = dict(p)
+    for name in TEXT_ONLY:
+        p.pop(name, None)
+    for name, default in DEFAULTS.items():
+        if p.pop(name, default) not in (default, None):
+            raise bad_request(f"sampling_params.{name} is not supported by this server", name)
+    n = p.pop("n", 1)
+    top_n = p.pop("logprobs", None)
+    stop = p.pop("stop", None) or []
+    max_tokens = p.pop("max_tokens", None)
+    kw = {"num_tokens_to_generate": 16 if max_tokens is None else max_tokens,
+          "stop_words": [stop] if isinstance(stop, str) else stop,
+          "stop_token_ids": p.pop("stop_token_ids", None) or [],
+          "return_log_probs": True, "top_n_logprobs": top_n or 0}  # fmt: skip
+    if (top_k := p.pop("top_k", None)) is not None:
+        kw["top_k"] = 0 if top_k == -1 else top_k
+    for name in ("temperature", "top_p", "seed", "include_stop_str_in_output", "ignore_eos"):
+        if (value := p.pop(name, None)) is not None:
+            kw[name] = value
+    if unknown := [k for k, v in p.items() if v is not None]:
+        raise bad_request(f"sampling_params.{unknown[0]} is not supported by this server",
+                          unknown[0])  # fmt: skip
+    if not isinstance(n, int) or not 1 <= n <= 128:
+        raise bad_request(f"n must be in [1, 128], got {n!r}", "n")
+    seed = kw.pop("seed", None)
+    try:
+        base = SamplingParams(**kw)
+        sps = [base if seed is None else base.replace(seed=seed + i) for i in range(n)]
+    except ValueError as e:
+        field = str(e).split(" ", 1)[0]
+        raise bad_request(f"sampling_params: {e}", field) from None
+    return sps, top_n
+
+
+def _choice(index: int, rec: Any, top_n: int | None) -> dict[str, Any]:
+    tokens = list(rec.generated_tokens)
+    logprobs = None
+    if top_n is not None:
+        tops = rec.generated_top_n_logprobs or [{}] * len(tokens)
+        logprobs = {"content": [
+            {"token": f"token_id:{t}", "logprob": lp, "bytes": None,
+             "top_logprobs": [{"token": f"token_id:{k}", "logprob": v, "bytes": None}
+                              for k, v in top.items()]}
+            for t, lp, top in zip(tokens, rec.generated_log_probs, tops, strict=True)]}  # fmt: skip
+    return {"index": index, "token_ids": tokens, "logprobs": logprobs,
+            "finish_reason": finish_reason(rec.stop_reason),
+            "weight_versions": list(rec.generated_weight_versions)}  # fmt: skip
+
+
+@router.post("/inference/v1/generate")
+async def generate(body: GenerateRequest, request: Request) -> dict:
+    from rollout.serving.http.app import _check_wait, _submit, _wait_or_abort  # (circular)
+
+    be = request.app.state.backend
+    if body.model and body.model != be.model_name:
+        raise APIError(404, f"model {body.model!r} does not exist (this server serves "
+                            f"{be.model_name!r})", param="model", code="model_not_found")  # fmt: skip
+    if unknown := [k for k, v in (body.model_extra or {}).items() if v is not None]:
+        raise bad_request(f"{unknown[0]} is not supported by this server", unknown[0])
+    if body.stream:
+        raise bad_request("stream is not supported on /inference/v1/generate", "stream")
+    sps, top_n = to_sampling_params(body.sampling_params)
+    await _check_wait(be, _Wait(), request)
+    records = await _wait_or_abort(be, _submit(be, [body.token_ids], sps), request)
+    completion = sum(len(r.generated_tokens) for r in records)
+    be.metrics.tokens(len(body.token_ids), completion)
+    return {"request_id": body.request_id or f"gen-{uuid.uuid4().hex}",
+            "choices": [_choice(i, r, top_n) for i, r in enumerate(records)],
+            "prompt_token_ids": body.token_ids, "prompt_logprobs": None,
+            "usage": {"prompt_tokens": len(body.token_ids), "completion_tokens": completion,
+                      "total_tokens": len(body.token_ids) + completion}}  # fmt: skip
+
+
+class _Wait:
+    wait = True  # waits while engines are paused, unless the no-wait header says otherwise
