@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout.sampling import SamplingParams
+from rollout.sampling import VLLM_LOGPROBS_MODES, SamplingParams
 from rollout.serving.http.schemas import APIError, bad_request, finish_reason
 
 router = APIRouter()
@@ -41,9 +41,12 @@ class GenerateRequest(BaseModel):
     stream: bool = False
 
 
-def to_sampling_params(p: dict[str, Any]) -> tuple[list[SamplingParams], int | None]:
+def to_sampling_params(
+    p: dict[str, Any], logprobs_mode: str = "raw_logprobs"
+) -> tuple[list[SamplingParams], int | None]:
     """One SamplingParams per choice (n; seeds seed+i) and the requested top-n (None: no
-    `logprobs` in the reply), or a 400 naming the parameter."""
+    `logprobs` in the reply), or a 400 naming the parameter. Log-probs are in the server's
+    `--logprobs-mode` (vLLM's: a server setting, not a request's)."""
     p = dict(p)
     for name in TEXT_ONLY:
         p.pop(name, None)
@@ -57,7 +60,8 @@ def to_sampling_params(p: dict[str, Any]) -> tuple[list[SamplingParams], int | N
     kw = {"num_tokens_to_generate": 16 if max_tokens is None else max_tokens,
           "stop_words": [stop] if isinstance(stop, str) else stop,
           "stop_token_ids": p.pop("stop_token_ids", None) or [],
-          "return_log_probs": True, "top_n_logprobs": top_n or 0}  # fmt: skip
+          "return_log_probs": True, "top_n_logprobs": top_n or 0,
+          "logprobs_mode": VLLM_LOGPROBS_MODES[logprobs_mode]}  # fmt: skip
     if (top_k := p.pop("top_k", None)) is not None:
         kw["top_k"] = 0 if top_k == -1 else top_k
     for name in ("temperature", "top_p", "seed", "include_stop_str_in_output", "ignore_eos"):
@@ -105,7 +109,7 @@ async def generate(body: GenerateRequest, request: Request) -> dict:
         raise bad_request(f"{unknown[0]} is not supported by this server", unknown[0])
     if body.stream:
         raise bad_request("stream is not supported on /inference/v1/generate", "stream")
-    sps, top_n = to_sampling_params(body.sampling_params)
+    sps, top_n = to_sampling_params(body.sampling_params, be.logprobs_mode)
     await _check_wait(be, _Wait(), request)
     records = await _wait_or_abort(be, _submit(be, [body.token_ids], sps), request)
     completion = sum(len(r.generated_tokens) for r in records)
