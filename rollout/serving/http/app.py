@@ -30,7 +30,7 @@ from rollout.serving.auth import tokens_match
 from rollout.serving.client import ClientStopped, InferenceClient, Partial, RequestFailed
 from rollout.serving.http import tool_choice
 from rollout.serving.http.chat import prepare_messages, render_chat
-from rollout.serving.http.generate_route import router as generate_router
+from rollout.serving.http.generate_route import generate_router
 from rollout.serving.http.limits import Admission, Limits, Ticket, check_logprobs
 from rollout.serving.http.metrics import HTTPMetrics, route_label
 from rollout.serving.http.schemas import (
@@ -128,7 +128,7 @@ def build_app(
     app = FastAPI(title="rollout", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.backend = be
     app.include_router(token_router)
-    app.include_router(generate_router)
+    app.include_router(generate_router(_check_wait, _submit, _wait_or_abort))
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> Response:

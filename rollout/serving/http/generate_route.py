@@ -14,6 +14,7 @@ unless null or at vLLM's default, is refused with a 400 naming it.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -21,8 +22,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.sampling import VLLM_LOGPROBS_MODES, SamplingParams
 from rollout.serving.http.schemas import APIError, bad_request, finish_reason
-
-router = APIRouter()
 
 TEXT_ONLY = frozenset({"skip_special_tokens", "spaces_between_special_tokens", "detokenize"})
 # vLLM parameters this server does not implement, accepted only at vLLM's default value
@@ -97,21 +96,30 @@ def _choice(index: int, rec: Any, top_n: int | None) -> dict[str, Any]:
             "weight_versions": list(rec.generated_weight_versions)}  # fmt: skip
 
 
-@router.post("/inference/v1/generate")
-async def generate(body: GenerateRequest, request: Request) -> dict:
-    from rollout.serving.http.app import _check_wait, _submit, _wait_or_abort  # (circular)
+def generate_router(check_wait: Callable, submit: Callable, wait_or_abort: Callable) -> APIRouter:
+    """The route, on app.py's own submit / wait-or-abort path (passed in: app.py includes this
+    router), so waiting, no-wait and disconnects behave as on /v1."""
+    router = APIRouter()
 
-    be = request.app.state.backend
-    if body.model and body.model != be.model_name:
-        raise APIError(404, f"model {body.model!r} does not exist (this server serves "
-                            f"{be.model_name!r})", param="model", code="model_not_found")  # fmt: skip
-    if unknown := [k for k, v in (body.model_extra or {}).items() if v is not None]:
-        raise bad_request(f"{unknown[0]} is not supported by this server", unknown[0])
-    if body.stream:
-        raise bad_request("stream is not supported on /inference/v1/generate", "stream")
-    sps, top_n = to_sampling_params(body.sampling_params, be.logprobs_mode)
-    await _check_wait(be, _Wait(), request)
-    records = await _wait_or_abort(be, _submit(be, [body.token_ids], sps), request)
+    @router.post("/inference/v1/generate")
+    async def generate(body: GenerateRequest, request: Request) -> dict:
+        be = request.app.state.backend
+        if body.model and body.model != be.model_name:
+            raise APIError(404, f"model {body.model!r} does not exist (this server serves "
+                                f"{be.model_name!r})", param="model", code="model_not_found")  # fmt: skip
+        if unknown := [k for k, v in (body.model_extra or {}).items() if v is not None]:
+            raise bad_request(f"{unknown[0]} is not supported by this server", unknown[0])
+        if body.stream:
+            raise bad_request("stream is not supported on /inference/v1/generate", "stream")
+        sps, top_n = to_sampling_params(body.sampling_params, be.logprobs_mode)
+        await check_wait(be, _Wait(), request)
+        records = await wait_or_abort(be, submit(be, [body.token_ids], sps), request)
+        return _response(be, body, records, top_n)
+
+    return router
+
+
+def _response(be: Any, body: GenerateRequest, records: list, top_n: int | None) -> dict:
     completion = sum(len(r.generated_tokens) for r in records)
     be.metrics.tokens(len(body.token_ids), completion)
     return {"request_id": body.request_id or f"gen-{uuid.uuid4().hex}",
