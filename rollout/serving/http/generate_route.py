@@ -98,7 +98,8 @@ def _choice(index: int, rec: Any, top_n: int | None) -> dict[str, Any]:
 
 def generate_router(check_wait: Callable, submit: Callable, wait_or_abort: Callable) -> APIRouter:
     """The route, on app.py's own submit / wait-or-abort path (passed in: app.py includes this
-    router), so waiting, no-wait and disconnects behave as on /v1."""
+    router) and its admission limits, so waiting, no-wait, disconnects and limits behave as on
+    /v1."""
     router = APIRouter()
 
     @router.post("/inference/v1/generate")
@@ -112,8 +113,15 @@ def generate_router(check_wait: Callable, submit: Callable, wait_or_abort: Calla
         if body.stream:
             raise bad_request("stream is not supported on /inference/v1/generate", "stream")
         sps, top_n = to_sampling_params(body.sampling_params, be.logprobs_mode)
-        await check_wait(be, _Wait(), request)
-        records = await wait_or_abort(be, submit(be, [body.token_ids], sps), request)
+        if (top_n or 0) > be.limits.max_logprobs:
+            raise bad_request(f"logprobs must be <= {be.limits.max_logprobs} on this server, "
+                              f"got {top_n}", "logprobs")  # fmt: skip
+        ticket = be.admission.admit([body.token_ids], sps)  # the limits /v1 requests obey
+        try:
+            await check_wait(be, _Wait(), request)
+            records = await wait_or_abort(be, submit(be, [body.token_ids], sps), request)
+        finally:
+            ticket.release()
         return _response(be, body, records, top_n)
 
     return router
