@@ -52,15 +52,26 @@ class IncrementalDetokenizer:
         return delta
 
 
+class TextOffsets:
+    """The offset into the decoded text (plus `start`) at which each token's text begins, for a
+    token list that arrives in chunks (a stream's): a token that only starts a character begins
+    where that character does."""
+
+    def __init__(self, decode: Callable[[list[int]], str], start: int = 0) -> None:
+        self._detok = IncrementalDetokenizer(decode)
+        self.start = start
+
+    def __call__(self, ids: Iterable[int]) -> list[int]:
+        offsets = []
+        for t in ids:
+            offsets.append(self.start + len(self._detok.text))
+            self._detok.add(t)
+        return offsets
+
+
 def text_offsets(decode: Callable[[list[int]], str], ids: list[int], start: int = 0) -> list[int]:
-    """The offset into the decoded text (plus `start`) at which each token's text begins: a
-    token that only starts a character begins where that character does."""
-    detok = IncrementalDetokenizer(decode)
-    offsets = []
-    for t in ids:
-        offsets.append(start + len(detok.text))
-        detok.add(t)
-    return offsets
+    """TextOffsets of a whole token list."""
+    return TextOffsets(decode, start)(ids)
 
 
 def find_stop(text: str, new_chars: int, stops: list[str]) -> tuple[int, str] | None:

@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from rollout.detokenizer import TextOffsets
 from rollout.engine.intake import RequestError
 from rollout.sampling import VLLM_LOGPROBS_MODES, SamplingParams
 from rollout.serving.auth import tokens_match
@@ -41,7 +42,7 @@ from rollout.serving.http.schemas import (
     finish_reason,
     sampling_params,
 )
-from rollout.serving.http.scoring import completion_logprobs
+from rollout.serving.http.scoring import completion_logprobs, token_logprobs
 from rollout.serving.http.text_checks import refuse_lone_surrogates
 from rollout.serving.http.token_routes import router as token_router
 from rollout.serving.http.tool_parsers import PARSERS, ToolStream
@@ -388,20 +389,6 @@ def _one_per_token(tops: list[dict], n: int) -> list[dict]:
     return [{}] * (n - len(tops)) + list(tops[-n:] if n else [])
 
 
-def _completion_logprobs(be: Backend, tokens: list[int], lps: list[float], tops: list[dict],
-                         offset: int = 0) -> tuple[dict, int]:  # fmt: skip
-    """The completions `logprobs` object of `tokens` whose text starts at `offset` (a stream's
-    chunks continue where the last ended), and the offset after them."""
-    strs = [be.text([t]) for t in tokens]
-    offsets, pos = [], offset
-    for s in strs:
-        offsets.append(pos)
-        pos += len(s)
-    return {"tokens": strs, "token_logprobs": list(lps),
-            "top_logprobs": [{be.text([k]): v for k, v in top.items()} for top in tops],
-            "text_offset": offsets}, pos  # fmt: skip
-
-
 def _chat_logprobs(be: Backend, tokens: list[int], lps: list[float], tops: list[dict]) -> dict:
     def entry(tid: int, lp: float) -> dict:
         s = be.text([tid])
@@ -448,7 +435,7 @@ async def _stream(be: Backend, req: Any, prompts: list[list[int]], sps: list[Sam
     sent_tokens = [0] * len(jobs)
     sent_text = [""] * len(jobs)
     streamed: list[list[int]] = [[] for _ in jobs]
-    text_offsets = [0] * len(jobs)
+    offsets = [TextOffsets(be.text) for _ in jobs]  # each choice's text, as it streams
     want_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
     live = len(jobs)
     hold = max((len(w) for w in sps[0].stop_words), default=1) - 1  # as vLLM holds back
@@ -517,7 +504,7 @@ async def _stream(be: Backend, req: Any, prompts: list[list[int]], sps: list[Sam
             if want_logprobs and chat:
                 lp = _chat_logprobs(be, tokens, lps, tops)
             elif want_logprobs:
-                lp, text_offsets[i] = _completion_logprobs(be, tokens, lps, tops, text_offsets[i])
+                lp = token_logprobs(be.text, tokens, lps, tops, offsets[i])
             if chat:
                 choice = {"index": i, "delta": {"content": delta} if delta else {},
                           "logprobs": lp, "finish_reason": reason, **ext}  # fmt: skip

@@ -12,21 +12,31 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from rollout.detokenizer import text_offsets
+from rollout.detokenizer import TextOffsets
 
 Decode = Callable[[list[int]], str]
 
 
 def _tops(
-    decode: Decode, tokens: list[int], lps: list[float], tops: list[dict[int, float]] | None
+    decode: Decode, tokens: list[int], lps: list[float], tops: list[dict[int, float]]
 ) -> list[dict[str, float]]:
     out = []
-    for i, (t, lp) in enumerate(zip(tokens, lps, strict=True)):
-        top = tops[i] if tops else {}
+    for t, lp, top in zip(tokens, lps, tops, strict=True):
         entry = {decode([k]): v for k, v in top.items()}
         entry.setdefault(decode([t]), lp)
         out.append(entry)
     return out
+
+
+def token_logprobs(
+    decode: Decode, tokens: list[int], lps: list[float], tops: list[dict[int, float]],
+    offsets: TextOffsets,
+) -> dict[str, list]:  # fmt: skip
+    """The `logprobs` object of generated `tokens` (`tops`: one dict per token), their text
+    offsets continuing `offsets` (a stream's chunks continue where the last ended)."""
+    return {"tokens": [decode([t]) for t in tokens], "token_logprobs": list(lps),
+            "top_logprobs": _tops(decode, tokens, lps, tops),
+            "text_offset": offsets(tokens)}  # fmt: skip
 
 
 def completion_logprobs(
@@ -35,25 +45,22 @@ def completion_logprobs(
     """`rec`'s log-probs: those of the `prompt` first when it is given (echo), then those of the
     generated tokens with their top log-probs `gen_tops` (one per token; none at all: max_tokens
     0, scoring only)."""
-    tokens: list[int] = []
-    lps: list[float | None] = []
-    tops: list[dict[str, float] | None] = []
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                            "text_offset": []}  # fmt: skip
     prompt_text = ""
     if prompt is not None:
         prompt_lps = list(rec.prompt_log_probs or [])
         if len(prompt_lps) != len(prompt) - 1:
             raise ValueError(f"{len(prompt_lps)} prompt log-probs for {len(prompt)} tokens")
-        tokens += prompt
-        lps += [None, *prompt_lps]
-        tops += [None, *_tops(decode, prompt[1:], prompt_lps, rec.prompt_top_n_logprobs)]
+        ptops = list(rec.prompt_top_n_logprobs or [{}] * len(prompt_lps))
+        out = token_logprobs(decode, prompt, [None, *prompt_lps], [{}, *ptops],
+                             TextOffsets(decode))  # fmt: skip
+        out["top_logprobs"][0] = None  # nothing precedes the first token
         prompt_text = decode(prompt)
     gen = list(rec.generated_tokens) if gen_tops else []
     if gen:
-        gen_lps = list(rec.generated_log_probs)
-        tokens += gen
-        lps += gen_lps
-        tops += _tops(decode, gen, gen_lps, gen_tops)
-    offsets = text_offsets(decode, list(prompt or []))
-    offsets += text_offsets(decode, gen, start=len(prompt_text))
-    return {"tokens": [decode([t]) for t in tokens], "token_logprobs": lps,
-            "top_logprobs": tops, "text_offset": offsets}  # fmt: skip
+        part = token_logprobs(decode, gen, list(rec.generated_log_probs), gen_tops,
+                              TextOffsets(decode, len(prompt_text)))  # fmt: skip
+        for k in out:
+            out[k] += part[k]
+    return out
