@@ -21,7 +21,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.sampling import VLLM_LOGPROBS_MODES, SamplingParams
-from rollout.serving.http.schemas import APIError, bad_request, finish_reason
+from rollout.serving.http.schemas import APIError, bad_request, finish_reason, unstated_extras
 
 TEXT_ONLY = frozenset({"skip_special_tokens", "spaces_between_special_tokens", "detokenize"})
 # vLLM parameters this server does not implement, accepted only at vLLM's default value
@@ -31,7 +31,7 @@ DEFAULTS = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
 
 
 class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # refused below unless null
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=unstated_extras)
 
     model: str | None = None
     token_ids: list[int] = Field(min_length=1)

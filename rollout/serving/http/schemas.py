@@ -54,13 +54,21 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+def unstated_extras(schema: dict[str, Any], cls: type) -> None:
+    """`json_schema_extra` of models that refuse unknown fields themselves."""
+    schema.pop("additionalProperties", None)
+
+
 # Accepted without effect: bookkeeping fields that do not change what a server returns.
 NO_EFFECT = frozenset({"metadata", "store", "service_tier"})
 STREAM_OPTIONS = frozenset({"include_usage"})
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)  # unknown: refused in _refuse_unknown
+    # unknown fields are kept to be refused in _refuse_unknown; the published schema leaves
+    # them unstated, as before (an explicit `additionalProperties: true` has fuzzers generate
+    # arbitrarily nested extras)
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=unstated_extras)
 
     model: str | None = None
     temperature: float | None = None

@@ -11,30 +11,30 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
-from rollout.serving.http.chat import render_chat
-from rollout.serving.http.schemas import bad_request
+from rollout.serving.http.chat import prepare_messages, render_chat
+from rollout.serving.http.schemas import bad_request, unstated_extras
 
 router = APIRouter()
+# Request models are strict, as /v1's: `true` is not a token id, "2" not a flag.
 
 
 class TokenizeRequest(BaseModel):
     """Either `prompt` (text) or `messages` (rendered by the chat template first)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=unstated_extras)
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = Field(default=None, min_length=1)
+    messages: list[dict[str, Any]] = []
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=unstated_extras)
 
     model: str | None = None
     tokens: list[int]
@@ -44,7 +44,11 @@ def _backend(request: Request) -> Any:
     return request.app.state.backend
 
 
-def _check_model(be: Any, model: str | None) -> None:
+def _check(be: Any, body: BaseModel) -> None:
+    """400 for a field this route does not know (unless null) or another model's name."""
+    if unknown := [k for k, v in (body.model_extra or {}).items() if v is not None]:
+        raise bad_request(f"{unknown[0]} is not supported by this route", unknown[0])
+    model = getattr(body, "model", None)
     if model and model != be.model_name:
         raise bad_request(f"model {model!r} does not exist (this server serves "
                           f"{be.model_name!r})", "model")  # fmt: skip
@@ -53,15 +57,16 @@ def _check_model(be: Any, model: str | None) -> None:
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     be = _backend(request)
-    _check_model(be, body.model)
-    if (body.prompt is None) == (body.messages is None):
+    _check(be, body)
+    if (body.prompt is None) == (not body.messages):
         raise bad_request("give exactly one of prompt and messages", "prompt")
-    if body.messages is not None:
+    if body.messages:
         if be.chat_template is None:
             raise bad_request("this server has no chat template", "messages")
         try:
-            text = render_chat(be.chat_template, body.messages, body.add_generation_prompt,
-                               tools=body.tools, **be.special_tokens)  # fmt: skip
+            messages = prepare_messages(body.messages)
+            text = render_chat(be.chat_template, messages, body.add_generation_prompt,
+                               **be.special_tokens)  # fmt: skip
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
         ids = be.tokenize(text, bos=bool(body.add_special_tokens))
@@ -76,7 +81,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
     be = _backend(request)
-    _check_model(be, body.model)
+    _check(be, body)
     if be.tokenizer is None:
         raise bad_request("this model has no tokenizer", "tokens")
     vocab = be.tokenizer.vocab_size
