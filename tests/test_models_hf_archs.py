@@ -259,9 +259,11 @@ def test_engine_processes_match_transformers_across_an_update_from_the_hf_model(
         llm.shutdown()
 
 
-def test_rollout_serve_matches_transformers(tmp_path):
-    hf = make_hf("qwen3-yarn")
-    save_hf("qwen3-yarn", hf, tmp_path)
+@pytest.mark.parametrize("case", ["qwen3-yarn", "qwen3-moe", "mistral"])
+def test_rollout_serve_matches_transformers(tmp_path, case):
+    """Each architecture family served by `rollout serve` from its HF folder, as a user runs it."""
+    hf = make_hf(case)
+    save_hf(case, hf, tmp_path)
     ByteTokenizer().save(tmp_path)  # token-id prompts below; the folder needs some tokenizer
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     serve = subprocess.Popen(
