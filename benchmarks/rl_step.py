@@ -28,6 +28,7 @@ from rollout.models import ModelConfig, build_model
 from rollout.rl.manager import RolloutManager
 from rollout.sampling import SamplingParams
 from rollout.weights.broadcast import WeightReceiver, WeightSender, init_weight_sync_group
+from rollout.weights.trust import weight_key
 from trainer_hooks.loop import grpo_loss
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -123,6 +124,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+SYNC_CHECKSUMS = ("keyed", "sum", "none")  # rows weight_sync, weight_sync_sum, ..._no_checksum
+
+
 def _sync_worker(rank: int, world: int, port: int, nbytes: int, bucket: int, reps: int, out: str):
     import torch.distributed as dist
 
@@ -131,13 +135,15 @@ def _sync_worker(rank: int, world: int, port: int, nbytes: int, bucket: int, rep
     numel = nbytes // 4 // 8
     model = {f"layer{i}.weight": torch.randn(numel) for i in range(8)}
     flat = torch.empty(numel * 8 * 4, dtype=torch.uint8)
-    rows = {"raw_bucketed": [], "raw_single": [], "weight_sync": [], "weight_sync_no_checksum": []}
+    rows = {"raw_bucketed": [], "raw_single": [], "weight_sync": [], "weight_sync_sum": [],
+            "weight_sync_no_checksum": []}  # fmt: skip
+    key = weight_key("benchmark secret")  # authenticated, as behind a coordinator with a secret
     senders = (
-        [WeightSender(bucket_bytes=bucket, checksum=c) for c in ("sum", "none")]
+        [WeightSender(bucket_bytes=bucket, checksum=c, key=key) for c in SYNC_CHECKSUMS]
         if rank == 0
         else []
     )
-    receiver = WeightReceiver(model) if rank != 0 else None
+    receiver = WeightReceiver(model, key=key) if rank != 0 else None
     for rep in range(reps + 1):
         dist.barrier()
         t = time.perf_counter()
@@ -151,11 +157,11 @@ def _sync_worker(rank: int, world: int, port: int, nbytes: int, bucket: int, rep
         dist.barrier()
         raw_s = time.perf_counter() - t
         ours = []
-        for i in range(2):  # with the default checksum, then without (the protocol alone)
+        for i in range(len(SYNC_CHECKSUMS)):  # default (keyed), sum, none (the protocol alone)
             dist.barrier()
             t = time.perf_counter()
             if rank == 0:
-                senders[i].send(model, 2 * rep + i + 1)
+                senders[i].send(model, len(SYNC_CHECKSUMS) * rep + i + 1)
             else:
                 receiver.receive()
             dist.barrier()
@@ -164,7 +170,8 @@ def _sync_worker(rank: int, world: int, port: int, nbytes: int, bucket: int, rep
             rows["raw_bucketed"].append(raw_b)
             rows["raw_single"].append(raw_s)
             rows["weight_sync"].append(ours[0])
-            rows["weight_sync_no_checksum"].append(ours[1])
+            rows["weight_sync_sum"].append(ours[1])
+            rows["weight_sync_no_checksum"].append(ours[2])
     if rank == 0:
         with open(out, "w") as f:
             json.dump(rows, f)
@@ -193,6 +200,7 @@ def run_sync(nbytes: int, bucket: int, reps: int, receivers: int = 2) -> dict:
         "median_s": med,
         "gbps": gbps,
         "sync_vs_raw": gbps["weight_sync"] / raw_best,
+        "keyed_vs_sum": gbps["weight_sync"] / gbps["weight_sync_sum"],
     }
 
 
@@ -212,8 +220,10 @@ def _plot(result: dict, path: Path) -> None:
     a.set_ylabel("samples / s")
     a.set_title(f"RL step, long-tailed lengths (async {rl['async_speedup']:.2f}x)")
     ws = result["weight_sync"]
-    names = ["raw_single", "raw_bucketed", "weight_sync", "weight_sync_no_checksum"]
-    b.bar(["raw", "raw bucketed", "ours", "ours, no cksum"], [ws["gbps"][k] for k in names])
+    names = ["raw_single", "raw_bucketed", "weight_sync", "weight_sync_sum",
+             "weight_sync_no_checksum"]  # fmt: skip
+    labels = ["raw", "raw bucketed", "ours (keyed)", "ours, sum", "ours, no cksum"]
+    b.bar(labels, [ws["gbps"][k] for k in names])
     b.set_ylabel("GB/s")
     b.set_title(f"weight sync 1->{ws['receivers']} ({ws['sync_vs_raw']:.0%} of raw)")
     fig.tight_layout()

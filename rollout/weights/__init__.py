@@ -4,6 +4,7 @@ Import from the modules:
 - `state`: validate-then-copy into a module or state_dict in place (`copy_weights_`), and the
   checksum engines ack with (`state_dict_checksum`).
 - `layout`: the flat byte stream a transfer moves (tensor offsets, chunks, manifest, checksums).
+- `chunk_digest`: a broadcast's per-chunk digests (`keyed` BLAKE2b when authenticated on CPU).
 - `broadcast`: the two-phase-commit transfer, `WeightSender` (trainer) / `WeightReceiver`
   (engines): nothing is applied anywhere unless every receiver verified everything.
 - `ipc`: colocated sync, `IpcSender` (trainer: packs shared buckets, hands out handles) /

@@ -9,8 +9,9 @@ broadcast is a two-phase commit:
    bucket size, checksum algorithm); every receiver checks it against its model and votes;
 2. the parameters go out as fixed-size byte buckets into a staging buffer (double-buffered on
    the sender, so packing and checksumming overlap the wire);
-3. a trailer carries one checksum per bucket and a MAC over the version, the manifest and those
-   checksums (`key`, `context`: rollout.weights.trust); receivers verify both and vote again;
+3. a trailer carries one checksum per bucket (keyed digests when authenticated on CPU:
+   rollout.weights.chunk_digest) and a MAC over the version, the manifest and those checksums
+   (`key`, `context`: rollout.weights.trust); receivers verify both and vote again;
 4. only if *every* receiver verified does anyone apply (staging -> model), then all ack.
 
 A failure anywhere (bad manifest, checksum mismatch, sender dying mid-transfer) leaves every
@@ -26,10 +27,12 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
+import msgpack
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from rollout.weights.chunk_digest import ALGOS, ChunkDigests, resolve_algo
 from rollout.weights.layout import (
     ALIGN,
     TensorSlot,
@@ -37,7 +40,6 @@ from rollout.weights.layout import (
     _pack,
     _pack_manifest,
     _unpack_manifest,
-    bucket_checksum,
     plan_chunks,
     plan_layout,
     transfer_digest,
@@ -194,7 +196,8 @@ class WeightSender:
 
     Tensors of at least `direct_bytes` go on the wire straight from their own memory (no
     packing copy); smaller ones are packed into reusable bucket buffers. Checksums are computed
-    while the chunk they cover is on the wire.
+    while the chunk they cover is on the wire. `checksum` (rollout.weights.chunk_digest.ALGOS):
+    `auto` is `keyed` (BLAKE2b keyed from `key`) on CPU when there is a key, else `sum`.
     """
 
     def __init__(
@@ -219,8 +222,7 @@ class WeightSender:
             raise ValueError(f"WeightSender must run on rank {src} of its group")
         self.bucket_bytes = bucket_bytes
         self.direct_bytes = min(direct_bytes, bucket_bytes)
-        self.algo = "sum" if checksum == "auto" else checksum
-        bucket_checksum(torch.empty(0, dtype=torch.uint8), self.algo)  # validates the name
+        self.algo = resolve_algo(checksum, key, self.c.device)
         self.version: int | None = None
         self._buffers: list[torch.Tensor] = []
         self.key, self.context = key, context
@@ -261,8 +263,7 @@ class WeightSender:
                 f"{a.__cause__}); nothing was applied anywhere"
             ) from a.__cause__
         self.digest = transfer_digest(manifest, sums)
-        trailer = torch.tensor(sums, dtype=torch.int64, device=c.device)
-        c.bcast(trailer)
+        c.bcast_bytes(msgpack.packb(sums))
         c.bcast_bytes(sign(self.key, TRAILER, trailer_fields(self.context, version, manifest,
                                                              sums)))  # fmt: skip
         bad = _failed(c.vote(_STATUS_OK), c.src)
@@ -274,8 +275,9 @@ class WeightSender:
         self.version = version
         return SyncResult(version, total, time.perf_counter() - t0, len(chunks), len(slots))
 
-    def _send_chunks(self, tensors, slots, chunks, on_bucket) -> list[int]:
-        c, sums, works = self.c, [], []
+    def _send_chunks(self, tensors, slots, chunks, on_bucket) -> list[int | bytes]:
+        c, works = self.c, []
+        sums = ChunkDigests(self.algo, self.key, self.context)
         flat = {s.name: s for s in slots}
         views: dict[str, torch.Tensor] = {}
         busy: list = [None, None]  # the op still reading each pack buffer
@@ -291,24 +293,26 @@ class WeightSender:
                 else:
                     k = packed % 2
                     packed += 1
-                    if busy[k] is not None:
-                        c.wait(busy[k])
+                    if busy[k] is not None:  # the wire and the digest both done with it
+                        c.wait(busy[k][0])
+                        sums.wait(busy[k][1])
                     view = self._pack_buffer(k, end - start)
                     _pack(view, start, end, tensors, slots)
                 if on_bucket is not None:
-                    sums.append(bucket_checksum(view, self.algo))
+                    sums.wait(sums.add(view))
                     on_bucket(i, view)
                 work = c.bcast(view, async_op=True)
                 works.append(work)
-                if name is None:
-                    busy[k] = work
                 if on_bucket is None:  # checksum while the chunk is on the wire
-                    sums.append(bucket_checksum(view, self.algo))
+                    sums.add(view)
+                if name is None:
+                    busy[k] = (work, i)
         except BaseException as e:
             raise _Aborted(len(works)) from e
         finally:  # also on error: nothing may still read our buffers when we return
+            sums.close()
             self._settle(works)
-        return sums
+        return sums.result()
 
     def _finish_aborted(self, chunks, posted: int) -> None:
         """The sender failed after `posted` chunks (a bug, a bad tensor, Ctrl-C): fill in the
@@ -321,8 +325,7 @@ class WeightSender:
                                 device=c.device)  # fmt: skip
             for s, e, _ in rest:
                 c.bcast(zeros[: e - s])
-            trailer = torch.full((len(chunks),), -1, dtype=torch.int64, device=c.device)
-            c.bcast(trailer)
+            c.bcast_bytes(msgpack.packb([]))  # no chunk's digest: every receiver votes 2
             c.bcast_bytes(b"")
             c.vote(2)
         except RuntimeError as e:
@@ -417,7 +420,7 @@ class WeightReceiver:
         try:
             raw = c.bcast_bytes(None)
             version, slots, total, bucket, algo, direct = _unpack_manifest(raw)
-            problem = self._check_manifest(version, slots)
+            problem = self._check_manifest(version, slots, algo)
             votes = c.vote(1 if problem else _STATUS_OK)
             if problem or _failed(votes, c.src):
                 raise WeightSyncError(
@@ -426,9 +429,7 @@ class WeightReceiver:
             staging = self._staging_buffer(total)
             chunks = plan_chunks(slots, total, bucket, direct)
             sums = self._recv_chunks(staging, chunks, algo)
-            trailer = torch.empty(len(chunks), dtype=torch.int64, device=c.device)
-            c.bcast(trailer)
-            expected = [int(x) for x in trailer.cpu()]
+            expected = msgpack.unpackb(c.bcast_bytes(None))
             tag = c.bcast_bytes(None)
             ok = sums == expected
             authentic = verify(self.key, TRAILER, trailer_fields(self.context, version, raw,
@@ -458,9 +459,11 @@ class WeightReceiver:
             self._staging = None
         return SyncResult(version, total, time.perf_counter() - t0, len(chunks), len(slots))
 
-    def _check_manifest(self, version: int, slots: list[TensorSlot]) -> str | None:
+    def _check_manifest(self, version: int, slots: list[TensorSlot], algo: str) -> str | None:
         if version <= self.version:
             return f"version {version} does not increase on {self.version}"
+        if algo not in ALGOS[1:] or (algo == "keyed" and self.key is None):
+            return f"checksum {algo!r} is unknown or needs a weight key this engine lacks"
         try:
             check_compatible(
                 _target_tensors(self.target),
@@ -471,27 +474,30 @@ class WeightReceiver:
             return str(e)
         return None
 
-    def _recv_chunks(self, staging: torch.Tensor, chunks, algo: str) -> list[int]:
-        c, sums, works = self.c, [], []
+    def _recv_chunks(self, staging: torch.Tensor, chunks, algo: str) -> list[int | bytes]:
+        c, works, done = self.c, [], 0
+        sums = ChunkDigests(algo, self.key, self.context)
         try:
             for start, end, _ in chunks:  # verify chunk i while chunk i+1 is still arriving
                 view = staging[start:end]
                 works.append((view, c.bcast(view, async_op=True)))
-                if len(works) - len(sums) == 2:
-                    v, w = works[len(sums)]
+                if len(works) - done == 2:
+                    v, w = works[done]
                     c.wait(w)
-                    sums.append(bucket_checksum(v, algo))
-            for v, w in works[len(sums) :]:
+                    sums.add(v)
+                    done += 1
+            for v, w in works[done:]:
                 c.wait(w)
-                sums.append(bucket_checksum(v, algo))
+                sums.add(v)
         except BaseException:
+            sums.close()
             for _, w in works:  # nothing may write into staging after we give up
                 with contextlib.suppress(Exception):
                     c.wait(w)
             if c.abort is not None and c.abort.is_set():  # abandoned writes may still land
                 self._staging = self._spare = None
             raise
-        return sums
+        return sums.result()
 
     def _apply(self, staging: torch.Tensor, slots: list[TensorSlot], version: int) -> bool:
         views = {

@@ -71,7 +71,8 @@ def bucket_checksum(buf: torch.Tensor, algo: str) -> int:
     their row-index-weighted sum (mod 2**64), and a crc32 of the ragged tail. One read of the
     data (~10 GB/s per core here, 5x zlib's crc32), no copy, and the same bits from torch on CPU
     or GPU. It catches any changed word, truncation, and reordered or shifted rows: the failures
-    a byte-range transfer can produce; it does not try to be cryptographic.
+    a byte-range transfer can produce; it does not try to be cryptographic (an authenticated
+    broadcast on CPU uses rollout.weights.chunk_digest's keyed digest instead).
     """
     if algo == "sum":
         return _sum_rows(buf)
