@@ -120,3 +120,24 @@ def test_the_algorithm_is_chosen_by_name():
         resolve_algo("md5", KEY, cpu)
     with pytest.raises(ValueError, match="keyed"):
         resolve_algo("keyed", None, cpu)
+
+
+def test_the_config_option_reaches_the_sender_and_bad_names_are_refused():
+    """`coordinator.weight_sync_checksum` is the user's handle on this trade-off: validated by
+    name at config time and by the cluster, and handed to the trainer's sender."""
+    from rollout.config import ConfigError, load_config
+    from rollout.config.builders import cluster_options
+    from rollout.serving.cluster import EngineCluster
+    from rollout.weights.trainer_sync import TrainerWeightSync
+
+    run = load_config(["rollout.dp=2", "coordinator.weight_sync_checksum=sum"])
+    assert cluster_options(run)["weight_sync_checksum"] == "sum"
+    with pytest.raises(ConfigError, match="coordinator.weight_sync_checksum"):
+        load_config(["rollout.dp=2", "coordinator.weight_sync_checksum=md5"])
+    with pytest.raises(ValueError, match="weight_sync_checksum"):
+        EngineCluster(2, None, weight_sync_checksum="md5")
+    sync = TrainerWeightSync(1 << 20, 5.0, "broadcast", key=KEY, checksum="sum")
+    try:
+        assert sync.checksum == "sum"
+    finally:
+        sync.close()

@@ -154,7 +154,8 @@ def cluster_options(run: RunConfig) -> dict[str, Any]:
     return {"coordinator": coordinator, "auth_token": resolve_token(c.token, c.token_file),
             "seed": run.recipe.seed, "restart": restart,
             "weights_snapshot": c.weights_snapshot.value,
-            "weight_sync_transport": c.weight_sync_transport.value}  # fmt: skip
+            "weight_sync_transport": c.weight_sync_transport.value,
+            "weight_sync_checksum": c.weight_sync_checksum}  # fmt: skip
 
 
 def build_manager(

@@ -27,6 +27,7 @@ from rollout.config.schema import (
     SuspendMode,
 )
 from rollout.models.config import MODEL_PRESETS
+from rollout.weights.chunk_digest import ALGOS as CHECKSUM_ALGOS
 
 
 def to_run_config(cfg: Any) -> RunConfig:
@@ -151,6 +152,9 @@ def _check_engine(run: RunConfig, errors: list[str]) -> None:
 def _check_coordinator(run: RunConfig, errors: list[str]) -> None:
     c = run.coordinator
     _need(errors, bool(c.host), "coordinator.host must not be empty")
+    _need(errors, c.weight_sync_checksum in CHECKSUM_ALGOS,
+          f"coordinator.weight_sync_checksum must be one of {', '.join(CHECKSUM_ALGOS)}, "
+          f"got {c.weight_sync_checksum!r}")  # fmt: skip
     _need(
         errors,
         0 <= c.port <= 65535,

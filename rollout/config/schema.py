@@ -112,6 +112,10 @@ class CoordinatorCfg:
     # map the trainer's packed weights: shared memory / CUDA IPC); auto = ipc when the trainer's
     # weights sit on the engines' device (rollout.weights.trainer_sync AUTO_IPC_DEVICES).
     weight_sync_transport: WeightSyncTransport = WeightSyncTransport.auto
+    # What vouches for each broadcast chunk's bytes (rollout.weights.chunk_digest): auto = keyed
+    # BLAKE2b when there is a secret and the chunks are on CPU (gloo), else sum; keyed | sum |
+    # crc32 | none. sum is ~3x faster on CPU but a man in the middle of the broadcast can forge it.
+    weight_sync_checksum: str = "auto"
     # The interface engines on other hosts reach this trainer's weight-sync store on (its
     # rendezvous travels with every update). The store has no authentication: loopback unless
     # the engines run elsewhere, and then only on a trusted network.

@@ -42,6 +42,7 @@ from rollout.serving.processes import stop_processes
 from rollout.serving.supervisor import EngineSupervisor, Event, RestartPolicy
 from rollout.serving.weight_updates import WeightUpdates
 from rollout.serving.worker import EngineWorker
+from rollout.weights.chunk_digest import ALGOS as CHECKSUM_ALGOS
 from rollout.weights.snapshot import WeightSnapshot
 from rollout.weights.state import as_state_dict
 from rollout.weights.trainer_sync import TRANSPORTS, TrainerWeightSync
@@ -93,6 +94,7 @@ class EngineCluster:
         auth_token: str | None = None,
         weight_sync: bool = True,
         weight_sync_transport: str = "auto",
+        weight_sync_checksum: str = "auto",
         bucket_bytes: int = 64 << 20,
         ready_timeout_s: float = 120.0,
         sync_timeout_s: float = 60.0,
@@ -110,6 +112,10 @@ class EngineCluster:
         if weight_sync_transport not in TRANSPORTS:
             raise ValueError(f"weight_sync_transport must be one of {TRANSPORTS}, "
                              f"got {weight_sync_transport!r}")  # fmt: skip
+        if weight_sync_checksum not in CHECKSUM_ALGOS:
+            raise ValueError(f"weight_sync_checksum must be one of {CHECKSUM_ALGOS}, "
+                             f"got {weight_sync_checksum!r}")  # fmt: skip
+        self.weight_sync_checksum = weight_sync_checksum
         self.num_engines = num_engines
         self.attached = attach
         self.weight_sync_host = weight_sync_host
@@ -210,7 +216,8 @@ class EngineCluster:
         token = self.auth_token if self.attached is None else resolve_token(self.auth_token)
         key = weight_key(token)
         return TrainerWeightSync(self.bucket_bytes, self.sync_timeout_s, self.weight_sync_transport,
-                                 device, host=self.weight_sync_host, key=key)  # fmt: skip
+                                 device, host=self.weight_sync_host, key=key,
+                                 checksum=self.weight_sync_checksum)  # fmt: skip
 
     def start_engines(self) -> list[mp.Process]:
         if self.weight_sync:

@@ -64,6 +64,7 @@ class TrainerWeightSync:
         engine_device: torch.device | None = None,
         host: str = LOOPBACK,
         key: bytes | None = None,
+        checksum: str = "auto",
     ) -> None:
         if key is None and not is_loopback(host):
             raise ValueError(f"weight_sync_host={host!r} is beyond loopback, where weights must be "
@@ -75,6 +76,7 @@ class TrainerWeightSync:
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.host = host  # the store has no auth: loopback unless the user names an interface
         self.key = key
+        self.checksum = checksum  # rollout.weights.chunk_digest.resolve_algo's name
         self.store = open_store(host, 0, timeout_s)
         self.store_id = nonce()  # engines tell this store from a predecessor's on the same port
         self.generation_number = 0
@@ -212,6 +214,7 @@ class TrainerWeightSync:
                 self.group = self._form_group(abort)
                 sender = self.sender = WeightSender(self.group, bucket_bytes=self.bucket_bytes,
                                                     abort=abort, key=self.key,
+                                                    checksum=self.checksum,
                                                     context=self.generation)  # fmt: skip
             sender.digest = None
             return sender.send(sd, version, on_bucket)
