@@ -126,11 +126,11 @@ def test_unexplained_step_failure_fails_that_step_and_the_engine_goes_on(model, 
     real = eng.runner.logits
     calls = []
 
-    def broken_once(prep, kv):
+    def broken_once(prep, kv, *args, **kwargs):
         calls.append(prep.num_tokens)
         if len(calls) == 1:
             raise RuntimeError("device hiccup")
-        return real(prep, kv)
+        return real(prep, kv, *args, **kwargs)
 
     monkeypatch.setattr(eng.runner, "logits", broken_once)
     out = eng.step()
