@@ -132,7 +132,7 @@ def test_the_config_option_reaches_the_sender_and_bad_names_are_refused():
 
     run = load_config(["rollout.dp=2", "coordinator.weight_sync_checksum=sum"])
     assert cluster_options(run)["weight_sync_checksum"] == "sum"
-    with pytest.raises(ConfigError, match="coordinator.weight_sync_checksum"):
+    with pytest.raises(ConfigError, match=r"coordinator\.weight_sync_checksum"):
         load_config(["rollout.dp=2", "coordinator.weight_sync_checksum=md5"])
     with pytest.raises(ValueError, match="weight_sync_checksum"):
         EngineCluster(2, None, weight_sync_checksum="md5")

@@ -72,7 +72,9 @@ def test_hashes_of_another_block_size_are_ignored(hash_calls):
     try:
         wrong = pack_hashes(compute_block_hashes_batched(PROMPT, 16))  # 2 blocks, engine wants 4
         hash_calls.clear()
-        worker._add([8, pack_tokens(PROMPT), pack_obj(SP.serialize()), wrong, b"", b"", b"", False, b""])
+        worker._add(
+            [8, pack_tokens(PROMPT), pack_obj(SP.serialize()), wrong, b"", b"", b"", False, b""]
+        )
         assert len(_finish(engine)) == 2
         assert hash_calls, "hashes made with another block size must not be trusted"
     finally:
