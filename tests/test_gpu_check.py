@@ -169,3 +169,19 @@ def test_speed_targets_compare_with_hf_largest_measured_batch():
     assert "hf batch 256 skipped" in targets["largest_batch_vs_hf"]["note"]
     assert targets["prefill_peak_fraction"]["passed"] is True
     assert targets["step_wall_over_device_busy"]["passed"] is True
+
+
+def test_speed_row_that_raises_fails_the_stage_but_keeps_the_rest(script, tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_speed as speed
+
+    def out_of_memory(batch):
+        raise RuntimeError(f"CUDA out of memory at batch {batch}")
+
+    ctx = script.Ctx("cpu", tmp_path, 10)
+    assert speed.guarded(ctx, "ok", lambda x: x + 1, 1) == 2
+    assert speed.guarded(ctx, "qwen3_1.7b_b256", out_of_memory, 256) is None
+    assert ctx.checks == {"qwen3_1.7b_b256_ran": False}
+    assert ctx.details["errors"] == {
+        "qwen3_1.7b_b256": "RuntimeError: CUDA out of memory at batch 256"
+    }
