@@ -66,12 +66,13 @@ class Plan:
     mix_lengths: tuple[int, int]
     mix_new_tokens: int
     parity_tokens: int
+    tokens_per_step: int
 
     @classmethod
     def for_device(cls, cuda: bool) -> Plan:
         if cuda:
-            return cls((1, 8, 64, 256), (1, 8, 64, 256), 128, 64, 64, (1024, 2048), 16, 16)
-        return cls((1, 2, 4, 8), (1, 2, 4, 8), 16, 6, 4, (24, 48), 2, 6)
+            return cls((1, 8, 64, 256), (1, 8, 64, 256), 128, 64, 64, (1024, 2048), 16, 16, 8192)
+        return cls((1, 2, 4, 8), (1, 2, 4, 8), 16, 6, 4, (24, 48), 2, 6, 64)
 
 
 # -- the arithmetic (unit-tested in tests/test_gpu_check.py) --------------------------------------
@@ -148,27 +149,36 @@ def run_shape(ctx: Ctx, name: str, config: Any, plan: Plan, card: dict[str, Any]
     ctx.details["shapes"][name] = {"params": config.num_parameters(), "config": config.to_hf()}
     model = build_on_device(config, ctx.device, dtype)
     hf = load_hf_model(model, config, ctx, dtype)
+    eng = make_engine(model, plan)
+    try:
+        run_rows(ctx, name, eng, hf, config, plan, card, deadline, elt)
+    finally:
+        eng.close()
+    if name == "qwen3_1.7b":
+        run_hf_rows(ctx, hf, config, plan, deadline)
+
+
+def run_rows(ctx: Ctx, name: str, eng: Any, hf: Any, config: Any, plan: Plan,
+             card: dict[str, Any], deadline: float, elt: int) -> None:  # fmt: skip
     if name == "qwen3_0.6b":
-        guarded(ctx, f"{name}_parity", check_parity, ctx, model, hf, config, plan)
+        guarded(ctx, f"{name}_parity", check_parity, ctx, eng, hf, config, plan)
     for batch in plan.batches:
         if time.perf_counter() > deadline:
             ctx.details["skipped"].append(f"{name} decode batch {batch}: budget")
             continue
-        row = guarded(ctx, f"{name}_b{batch}", decode_row, ctx, model, config, batch, plan,
+        row = guarded(ctx, f"{name}_b{batch}", decode_row, ctx, eng, config, batch, plan,
                       card, elt)  # fmt: skip
         if row is not None:
             record(ctx, "rows", {"model": name, **row})
             ctx.check(f"{name}_b{batch}_all_tokens", row["tokens"] == batch * plan.new_tokens)
     if time.perf_counter() < deadline:
-        row = guarded(ctx, f"{name}_mix", prefill_row, ctx, model, config, plan, card)
+        row = guarded(ctx, f"{name}_mix", prefill_row, ctx, eng, config, plan, card)
         if row is not None:
             record(ctx, "rows", {"model": name, **row})
             ctx.check(f"{name}_mix_all_tokens",
                       row["tokens"] == plan.mix_prompts * plan.mix_new_tokens)  # fmt: skip
     else:
         ctx.details["skipped"].append(f"{name} prefill mix: budget")
-    if name == "qwen3_1.7b":
-        run_hf_rows(ctx, hf, config, plan, deadline)
 
 
 def guarded(ctx: Ctx, name: str, fn: Any, *args: Any) -> Any:
@@ -275,13 +285,18 @@ def sync(ctx: Ctx, torch: Any) -> None:
         torch.cuda.synchronize()
 
 
-def make_engine(model: Any, n_requests: int, longest: int, tokens_per_step: int) -> Any:
+def make_engine(model: Any, plan: Plan) -> Any:
+    """One engine for every row of a model shape, sized for the largest: one KV pool and one
+    table width, so the flex kernels compiled (per batch bucket, static shapes) and the decode
+    graphs captured for one row serve the next instead of compiling again per row."""
     from rollout.engine import DynamicInferenceEngine, InferenceConfig
 
     block = 16
+    longest = max(plan.prompt_len + plan.new_tokens, plan.mix_lengths[1] + plan.mix_new_tokens)
+    rows = max(*plan.batches, plan.mix_prompts)
     # one run's worth of blocks: a finished run's blocks stay cached but are evicted on demand
-    cfg = InferenceConfig(block_size=block, num_blocks=n_requests * -(-longest // block) + 8,
-                          max_requests=n_requests, max_tokens_per_step=tokens_per_step,
+    cfg = InferenceConfig(block_size=block, num_blocks=rows * -(-longest // block) + 8,
+                          max_requests=rows, max_tokens_per_step=plan.tokens_per_step,
                           max_sequence_length=longest)  # fmt: skip
     return DynamicInferenceEngine(model, None, cfg)
 
@@ -353,16 +368,11 @@ def warm_up_and_profile(ctx: Ctx, eng: Any, prompts: list[list[int]], profiled: 
     return busy
 
 
-def decode_row(ctx: Ctx, model: Any, config: Any, batch: int, plan: Plan, card: dict,
+def decode_row(ctx: Ctx, eng: Any, config: Any, batch: int, plan: Plan, card: dict,
                elt: int) -> dict[str, Any]:  # fmt: skip
-    longest = plan.prompt_len + plan.new_tokens
-    eng = make_engine(model, batch, longest, min(8192, max(2048, batch * plan.prompt_len)))
-    try:
-        lengths = [plan.prompt_len] * batch
-        busy = warm_up_and_profile(ctx, eng, prompts_of(lengths, config.vocab_size, 100 + batch))
-        run = run_timed(ctx, eng, prompts_of(lengths, config.vocab_size, batch), plan.new_tokens)
-    finally:
-        eng.close()
+    lengths = [plan.prompt_len] * batch
+    busy = warm_up_and_profile(ctx, eng, prompts_of(lengths, config.vocab_size, 100 + batch))
+    run = run_timed(ctx, eng, prompts_of(lengths, config.vocab_size, batch), plan.new_tokens)
     steps = [end - start for start, end, c in
              zip([run["t0"], *run["ends"]], run["ends"], run["computed"], strict=False)
              if c == batch]  # fmt: skip
@@ -394,19 +404,14 @@ def decode_row(ctx: Ctx, model: Any, config: Any, batch: int, plan: Plan, card: 
     return row
 
 
-def prefill_row(ctx: Ctx, model: Any, config: Any, plan: Plan, card: dict) -> dict[str, Any]:
+def prefill_row(ctx: Ctx, eng: Any, config: Any, plan: Plan, card: dict) -> dict[str, Any]:
     import torch
 
     g = torch.Generator().manual_seed(7)
     lo, hi = plan.mix_lengths
     lengths = torch.randint(lo, hi + 1, (plan.mix_prompts,), generator=g).tolist()
-    longest = hi + plan.mix_new_tokens
-    eng = make_engine(model, plan.mix_prompts, longest, 8192 if ctx.cuda else 256)
-    try:
-        warm_up_and_profile(ctx, eng, prompts_of(lengths, config.vocab_size, 99), profiled=False)
-        run = run_timed(ctx, eng, prompts_of(lengths, config.vocab_size, 8), plan.mix_new_tokens)
-    finally:
-        eng.close()
+    warm_up_and_profile(ctx, eng, prompts_of(lengths, config.vocab_size, 1001), profiled=False)
+    run = run_timed(ctx, eng, prompts_of(lengths, config.vocab_size, 1000), plan.mix_new_tokens)
     total, seen, prefill_s = sum(lengths), 0, run["seconds"]
     for end, c in zip(run["ends"], run["computed"], strict=True):
         seen += c
@@ -428,20 +433,16 @@ def prefill_row(ctx: Ctx, model: Any, config: Any, plan: Plan, card: dict) -> di
     return row
 
 
-def check_parity(ctx: Ctx, model: Any, hf: Any, config: Any, plan: Plan) -> None:
+def check_parity(ctx: Ctx, eng: Any, hf: Any, config: Any, plan: Plan) -> None:
     """Our greedy tokens vs HF generate() at batch 1 (ties allowed, as in hf_parity)."""
     from gpu_check import LOGPROB_TOL, compare_with_hf
 
     from rollout.sampling import SamplingParams
 
     prompts = prompts_of([plan.prompt_len], config.vocab_size, 5)
-    eng = make_engine(model, 1, plan.prompt_len + plan.parity_tokens, 2048)
-    try:
-        sp = SamplingParams(temperature=0.0, num_tokens_to_generate=plan.parity_tokens,
-                            ignore_eos=True, return_log_probs=True)  # fmt: skip
-        results = eng.generate(prompts, sp)
-    finally:
-        eng.close()
+    sp = SamplingParams(temperature=0.0, num_tokens_to_generate=plan.parity_tokens,
+                        ignore_eos=True, return_log_probs=True)  # fmt: skip
+    results = eng.generate(prompts, sp)
     tol = LOGPROB_TOL["bfloat16" if ctx.cuda else "float32"]
     result = compare_with_hf(hf, prompts, results, plan.parity_tokens, ctx.device, tol)
     ctx.details["parity_0.6b_batch1"] = result
