@@ -185,3 +185,16 @@ def test_speed_row_that_raises_fails_the_stage_but_keeps_the_rest(script, tmp_pa
     assert ctx.details["errors"] == {
         "qwen3_1.7b_b256": "RuntimeError: CUDA out of memory at batch 256"
     }
+
+
+def test_speed_out_of_budget_skips_rows_and_says_so(script, tmp_path):
+    """Past the stage's deadline no row starts: each is listed in `skipped`, the targets stay
+    unevaluated (None) and the stage still passes (the parity check has run)."""
+    result = script.run_stage_here("speed", "cpu", tmp_path, 0.001)
+    assert result["status"] == "passed", result["error"]
+    details = result["details"]
+    assert details["rows"] == [] and details["hf_rows"] == []
+    assert len(details["skipped"]) == 2 * (4 + 1) + 4  # decode rows and mix per shape, hf
+    assert "hf batch 1: budget" in " ".join(details["skipped"])
+    assert all(t["passed"] is None for t in details["targets"].values())
+    assert details["parity_0.6b_batch1"]["untied_divergences"] == 0
