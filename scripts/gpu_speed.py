@@ -294,12 +294,17 @@ def make_engine(model: Any, plan: Plan) -> Any:
     from rollout.engine import DynamicInferenceEngine, InferenceConfig
 
     block = 16
-    longest = max(plan.prompt_len + plan.new_tokens, plan.mix_lengths[1] + plan.mix_new_tokens)
-    rows = max(*plan.batches, plan.mix_prompts)
-    # one run's worth of blocks: a finished run's blocks stay cached but are evicted on demand
-    cfg = InferenceConfig(block_size=block, num_blocks=rows * -(-longest // block) + 8,
-                          max_requests=rows, max_tokens_per_step=plan.tokens_per_step,
-                          max_sequence_length=longest)  # fmt: skip
+    decode_len = plan.prompt_len + plan.new_tokens
+    mix_len = plan.mix_lengths[1] + plan.mix_new_tokens
+    # the largest run's blocks (256 short rows or 64 long ones, not 256 long ones: 60 GB at
+    # 1.7B); a finished run's blocks stay cached but are evicted on demand
+    blocks = max(
+        max(plan.batches) * -(-decode_len // block), plan.mix_prompts * -(-mix_len // block)
+    )
+    cfg = InferenceConfig(block_size=block, num_blocks=blocks + 8,
+                          max_requests=max(*plan.batches, plan.mix_prompts),
+                          max_tokens_per_step=plan.tokens_per_step,
+                          max_sequence_length=max(decode_len, mix_len))  # fmt: skip
     return DynamicInferenceEngine(model, None, cfg)
 
 
