@@ -198,3 +198,22 @@ def test_speed_out_of_budget_skips_rows_and_says_so(script, tmp_path):
     assert "hf batch 1: budget" in " ".join(details["skipped"])
     assert all(t["passed"] is None for t in details["targets"].values())
     assert details["parity_0.6b_batch1"]["untied_divergences"] == 0
+
+
+def test_speed_transformers_out_of_memory_is_skipped_not_failed(script, tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_speed as speed
+    import torch
+
+    class Bench:
+        @staticmethod
+        def run_hf(*args):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    ctx = script.Ctx("cpu", tmp_path, 10)
+    ctx.details["skipped"] = []
+    plan = speed.Plan.for_device(cuda=False)
+    assert speed.hf_or_out_of_memory(ctx, Bench, None, [[1]] * 256, plan, "cpu") is None
+    assert ctx.details["skipped"] == ["hf batch 256: transformers ran out of memory"]
+    assert ctx.checks == {}
