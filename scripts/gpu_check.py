@@ -19,6 +19,9 @@ memory stage measures a clean device) under its own time budget:
   grpo_recipe      a short `python -m recipes.grpo_reverse` run (engine=gpu on CUDA), rewards
   staged_update    the longest decode stall of a weight update while generating, today's
                    pause vs staged (benchmarks/staged_update.py), in decode steps
+  speed            Qwen3-0.6B/1.7B-shaped random weights: decode at batch 1-256 and a prefill
+                   mix against the card's bandwidth and bf16 peak, beside transformers, the
+                   issue-24 targets as pass/fail fields (gpu_speed.py)
 
     python scripts/gpu_check.py --device cpu --out /tmp/gpu_check.json   # anywhere, ~20 s
     bash scripts/gpu_check.sh                                            # on the GPU machine
@@ -49,6 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))  # the stage modules beside this file, however loaded
 from gpu_memory import stage_suspend_memory  # noqa: E402
 from gpu_profile import stage_decode_profile  # noqa: E402
+from gpu_speed import stage_speed  # noqa: E402
 
 MiB = 2**20
 GiB = 2**30
@@ -382,9 +386,10 @@ def stage_staged_update(ctx: Ctx) -> None:
         ctx.check("staged_stall_at_most_one_step", result["staged"]["stall_steps"] <= 1.0)
 
 
-# name -> (function, budget seconds on CUDA, on CPU). The CUDA budgets add up to 11 minutes,
-# which no run comes near (the last full one took 4): with the wheel install, one 10-minute
-# device command (most stages take a fraction of theirs).
+# name -> (function, budget seconds on CUDA, on CPU). Without `speed` the CUDA budgets add up
+# to 11 minutes, which no run comes near (the last full one took 4): one 10-minute device
+# command with the wheel install. `speed` alone may take its 4 minutes, so on a GPU run it in
+# a second command (`--stages environment speed`; README, GPU check).
 STAGES: dict[str, tuple[Callable[[Ctx], None], int, int]] = {
     "environment": (stage_environment, 30, 60),
     "cuda_tests": (stage_cuda_tests, 90, 30),
@@ -395,6 +400,7 @@ STAGES: dict[str, tuple[Callable[[Ctx], None], int, int]] = {
     "decode_profile": (stage_decode_profile, 60, 60),
     "grpo_recipe": (stage_grpo_recipe, 90, 120),
     "staged_update": (stage_staged_update, 60, 60),
+    "speed": (stage_speed, 240, 90),
 }
 
 

@@ -4,6 +4,8 @@
 # scripts/gpu_check.py. Results: $OUT/gpu_check.json and $OUT/gpu_check.log when $OUT is set
 # (the device tool brings $OUT back), else benchmarks/results/gpu_check_<device>.{json,log}.
 # Extra arguments go to gpu_check.py, e.g. `--device cpu` or `--stages hf_parity throughput`.
+# All stages' CUDA budgets pass one 10-minute device command: run `--stages environment speed`
+# as a command of its own and the other stages in another (README, GPU check).
 # Exit code: 0 iff no stage failed; 3 if the wheels did not install.
 set -uo pipefail
 cd "$(dirname "$0")/.."
