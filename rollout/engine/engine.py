@@ -49,12 +49,11 @@ from rollout.engine.model_runner import ModelRunner, prepare_batch
 from rollout.engine.routing import RoutingRecorder, check_routing
 from rollout.engine.scheduler import ScheduledBatch, Scheduler
 from rollout.engine.sequence import Sequence, check_block_hashes
-from rollout.engine.staging import Staged, WeightStage
+from rollout.engine.staging import Staged, WeightStage, check_update
 from rollout.protocol import SUSPEND_MODES
 from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord, Status
 from rollout.sampling import SamplingParams
 from rollout.tokenizers import detokenize_with, eos_ids_of
-from rollout.weights.state import check_compatible
 
 MAX_STEP_FAILURES_IN_A_ROW = 3  # then the device, not a request, is at fault
 log = logging.getLogger(__name__)
@@ -595,30 +594,7 @@ class DynamicInferenceEngine:
         self, state_dict: Mapping[str, torch.Tensor], version: int
     ) -> dict[str, torch.Tensor]:
         """The model's tensors `state_dict` loads into; ValueError naming every problem."""
-        if (
-            isinstance(version, bool)
-            or not isinstance(version, int)
-            or version <= self.weight_version
-        ):
-            raise ValueError(
-                f"version must be an int > current {self.weight_version}, got {version!r}"
-            )
-        if not isinstance(state_dict, Mapping) or not state_dict:
-            raise ValueError("state_dict must be a non-empty mapping of name -> tensor")
-        not_tensors = [f"{k}: {type(t).__name__}" for k, t in state_dict.items()
-                       if not isinstance(t, torch.Tensor)]  # fmt: skip
-        if not_tensors:
-            raise ValueError(f"update_weights rejected: expected tensors, got {not_tensors[:5]}")
-        targets = self.model.state_dict(keep_vars=True)
-        specs = {}  # a floating-point tensor casts on copy: it counts as the target's dtype
-        for name, t in state_dict.items():
-            cast = t.dtype.is_floating_point and name in targets
-            specs[name] = (targets[name].dtype if cast else t.dtype, tuple(t.shape))
-        try:
-            check_compatible(targets, specs)
-        except ValueError as e:
-            raise ValueError(f"update_weights rejected, old weights still serve: {e}") from None
-        return targets
+        return check_update(self.model, state_dict, version, self.weight_version, "update_weights")
 
     # -- introspection ------------------------------------------------------------------------
     def load(self) -> dict[str, Any]:

@@ -96,24 +96,7 @@ class WeightStage:
         self, state_dict: Mapping[str, torch.Tensor], version: int, current: int
     ) -> dict[str, torch.Tensor]:
         """The same checks as `DynamicInferenceEngine.update_weights`, before any copy."""
-        if isinstance(version, bool) or not isinstance(version, int) or version <= current:
-            raise ValueError(f"version must be an int > current {current}, got {version!r}")
-        if not isinstance(state_dict, Mapping) or not state_dict:
-            raise ValueError("state_dict must be a non-empty mapping of name -> tensor")
-        bad = [f"{k}: {type(t).__name__}" for k, t in state_dict.items()
-               if not isinstance(t, torch.Tensor)]  # fmt: skip
-        if bad:
-            raise ValueError(f"staged update rejected: expected tensors, got {bad[:5]}")
-        targets = self.model.state_dict(keep_vars=True)
-        specs = {}
-        for name, t in state_dict.items():
-            cast = t.dtype.is_floating_point and name in targets
-            specs[name] = (targets[name].dtype if cast else t.dtype, tuple(t.shape))
-        try:
-            check_compatible(targets, specs)
-        except ValueError as e:
-            raise ValueError(f"staged update rejected, old weights still serve: {e}") from None
-        return targets
+        return check_update(self.model, state_dict, version, current, "staged update")
 
     def _buffers_for(self, targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One buffer per model tensor, shaped, typed and placed like it (allocated once)."""
@@ -153,3 +136,29 @@ class WeightStage:
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             yield stream
+
+
+def check_update(
+    model: nn.Module, state_dict: Mapping[str, torch.Tensor], version: int, current: int, what: str
+) -> dict[str, torch.Tensor]:
+    """The model's tensors `state_dict` loads into, for an update named `what`; ValueError naming
+    every problem. One rule for in-place and staged updates, so neither accepts what the other
+    refuses."""
+    if isinstance(version, bool) or not isinstance(version, int) or version <= current:
+        raise ValueError(f"version must be an int > current {current}, got {version!r}")
+    if not isinstance(state_dict, Mapping) or not state_dict:
+        raise ValueError("state_dict must be a non-empty mapping of name -> tensor")
+    not_tensors = [f"{k}: {type(t).__name__}" for k, t in state_dict.items()
+                   if not isinstance(t, torch.Tensor)]  # fmt: skip
+    if not_tensors:
+        raise ValueError(f"{what} rejected: expected tensors, got {not_tensors[:5]}")
+    targets = model.state_dict(keep_vars=True)
+    specs = {}  # a floating-point tensor casts on copy: it counts as the target's dtype
+    for name, t in state_dict.items():
+        cast = t.dtype.is_floating_point and name in targets
+        specs[name] = (targets[name].dtype if cast else t.dtype, tuple(t.shape))
+    try:
+        check_compatible(targets, specs)
+    except ValueError as e:
+        raise ValueError(f"{what} rejected, old weights still serve: {e}") from None
+    return targets
