@@ -32,6 +32,8 @@ from rollout.request import Status
 from rollout.serving.cluster import EngineCluster
 from rollout.tokenizers import ByteTokenizer
 
+pytestmark = pytest.mark.heavy  # .ci/run runs it; the default suite stays ~10 minutes
+
 MB = 1 << 20
 DP = 3
 N_MAX = 24  # longest healthy generation; shorter ones are prefixes of the greedy reference

@@ -30,6 +30,8 @@ import time
 import pytest
 from proc_io import stop_all
 
+pytestmark = pytest.mark.heavy  # .ci/run runs it; the default suite stays ~10 minutes
+
 SCHEDULE = ["ipc", "aborts", "group", "engine", "freeze", "coordinator", "plain"]
 
 

@@ -47,6 +47,7 @@ def _direct(items) -> list[list[int]]:
     return out
 
 
+@pytest.mark.heavy  # .ci/run runs it; the default suite stays ~10 minutes
 async def test_200_mixed_requests_match_direct_mode_and_survive_sigkill():
     items = _workload()
     expected = _direct(items)

@@ -27,6 +27,8 @@ SHORT = [
 SRUN = """#!{python}
 import os, signal, subprocess, sys
 
+pytestmark = pytest.mark.heavy  # .ci/run runs it; the default suite stays ~10 minutes
+
 args, ntasks = sys.argv[1:], 1
 while args and args[0].startswith("-"):
     option = args.pop(0)

@@ -19,7 +19,7 @@ from rollout.rl.manager import RolloutManager
 from rollout.sampling import SamplingParams
 from rollout.weights.state import state_dict_checksum
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.heavy]  # heavy: .ci/run runs it
 
 SP = SamplingParams(temperature=0.0, num_tokens_to_generate=6, ignore_eos=True)
 OPTIONS = {"auth_token": "s3", "sync_timeout_s": 20.0}
