@@ -98,6 +98,7 @@ def inference_config(run: RunConfig) -> InferenceConfig:
         enable_chunked_prefill=e.enable_chunked_prefill, kv_policy=run.rollout.kv_policy.value,
         weight_update=run.rollout.weight_update.value,
         streaming_interval=e.streaming_interval, cuda_graphs=e.cuda_graphs,
+        async_scheduling=e.async_scheduling,
         attention_backend=e.attention_backend.value,
         device=str(resolve_device(run)),
         dtype=run.model.dtype.value,

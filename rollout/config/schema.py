@@ -80,6 +80,7 @@ class EngineCfg:
     suspend_mode: SuspendMode = SuspendMode.recompute
     streaming_interval: int = 0
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA only)
+    async_scheduling: bool = False  # decode step k+1 launches before step k's tokens are read
     # paged attention: torch (CPU-tuned), flex (FlexAttention kernels), auto (flex on CUDA)
     attention_backend: AttentionBackend = AttentionBackend.auto
 

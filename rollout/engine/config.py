@@ -55,7 +55,9 @@ class InferenceConfig:
     (rollout.engine.staging; doubles the weights' memory). streaming_interval is the number
     of new tokens between partial outputs (0 = off).
     cuda_graphs replays decode steps from CUDA graphs on a CUDA device (rollout.engine.cuda_graphs;
-    ignored elsewhere); turn it off to debug or profile the eager path. attention_backend picks
+    ignored elsewhere); turn it off to debug or profile the eager path. async_scheduling lets a
+    decode-only step k+1 launch on step k's device-side samples before the host reads them
+    (rollout.engine.overlap): the host lags the device by one step. attention_backend picks
     the paged attention: "torch" (rollout.models.attention, tuned for CPU), "flex" (PyTorch's
     FlexAttention, rollout.models.flex_attention: compiled kernels on CUDA, eager and slow on
     CPU) or "auto" (flex on CUDA when this torch has it, else torch); `resolve_attention_backend`
@@ -74,6 +76,7 @@ class InferenceConfig:
     weight_update: str = "pause"
     streaming_interval: int = 0
     cuda_graphs: bool = True
+    async_scheduling: bool = False
     attention_backend: str = "auto"
     device: str | None = None
     dtype: str | None = None
@@ -89,7 +92,8 @@ class InferenceConfig:
         self.max_tokens_per_step = _positive_int("max_tokens_per_step", self.max_tokens_per_step)
         self.max_sequence_length = _positive_int("max_sequence_length", self.max_sequence_length)
         self.streaming_interval = _positive_int("streaming_interval", self.streaming_interval, True)
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "cuda_graphs"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "cuda_graphs",
+                     "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"InferenceConfig.{name} must be a bool, got {getattr(self, name)!r}"

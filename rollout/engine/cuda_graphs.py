@@ -111,15 +111,19 @@ class DecodeGraphs:
         block_size: int,
         kv_cache: torch.Tensor,
         routes: list[torch.Tensor] | None = None,
+        token_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [len(tokens), V] of one decode token per row; writes their K/V. `routes`
-        receives each MoE layer's experts [len(tokens), k] (valid until the next call)."""
+        receives each MoE layer's experts [len(tokens), k] (valid until the next call).
+        `token_ids` (on the device: the previous step's samples) replaces `tokens`' values."""
         n = len(tokens)
         batch = self.batches[bisect.bisect_left(self.batches, n)]
         width = self.widths[bisect.bisect_left(self.widths, max(map(len, tables)))]
         slots = [t[(c - 1) // block_size] * block_size + (c - 1) % block_size
                  for t, c in zip(tables, context_lens, strict=True)]  # fmt: skip
         self._stage(batch, width, [tokens, positions, slots, context_lens], tables)
+        if token_ids is not None:  # device to device, behind the step that sampled them
+            self._dev[:n].copy_(token_ids)
         if not self.capture:
             self.counters["eager"] += 1
             layers: list[torch.Tensor] = []

@@ -46,6 +46,7 @@ from rollout.engine.intake import (
 from rollout.engine.interface import StepOutput
 from rollout.engine.kv_pool import KVPool
 from rollout.engine.model_runner import ModelRunner, prepare_batch
+from rollout.engine.overlap import InFlight, can_follow, decode_batch
 from rollout.engine.routing import RoutingRecorder, check_routing
 from rollout.engine.scheduler import ScheduledBatch, Scheduler
 from rollout.engine.sequence import Sequence, check_block_hashes
@@ -126,8 +127,11 @@ class DynamicInferenceEngine:
         self._decode = functools.partial(detokenize_with, tokenizer) if tokenizer else None
         self.counters = {"steps": 0, "tokens_generated": 0, "requests_finished": 0,
                          "requests_failed": 0, "request_faults": 0, "step_failures": 0,
-                         "weight_updates": 0, "forward_time_s": 0.0}  # fmt: skip
+                         "weight_updates": 0, "forward_time_s": 0.0,
+                         "overlapped_steps": 0}  # fmt: skip
         self._failures_in_a_row = 0
+        self._inflight: InFlight | None = None  # async_scheduling: samples not read yet
+        self._late_partials: list[tuple] = []  # read by a drain outside step(): out next step
         self.weight_stage = WeightStage(self.model)  # its buffer is allocated on first use
 
     # -- requests -----------------------------------------------------------------------------
@@ -223,6 +227,7 @@ class DynamicInferenceEngine:
 
     def abort(self, request_id: int) -> bool:
         """Stop a request now; its record (stop_reason "abort") comes out of the next step."""
+        self._drain()
         seq = self._seqs.get(request_id)
         if seq is None:
             return False
@@ -233,6 +238,7 @@ class DynamicInferenceEngine:
         """Forget a request without a record: its owner has given it to someone else (a
         coordinator that re-dispatched it) or is gone, so no reply may ever come out of here.
         Its blocks are freed."""
+        self._drain()
         seq = self._seqs.pop(request_id, None)
         if seq is not None:
             self.scheduler.remove(seq)
@@ -250,14 +256,16 @@ class DynamicInferenceEngine:
             raise RuntimeError("engine is closed")
         if self.suspended is not None:
             raise RuntimeError(f"engine is suspended ({self.suspended}); call resume() first")
-        out = StepOutput(finished=self._done)
-        self._done = []
+        out = StepOutput(finished=self._done, partials=self._late_partials)
+        self._done, self._late_partials = [], []
         batch: ScheduledBatch = []
         try:
-            batch = self.scheduler.schedule(self.weight_version)
-            if batch:
-                self.counters["steps"] += 1
-                self._run(batch, out)
+            if not self._follow(out):
+                self._drain(out)
+                batch = self.scheduler.schedule(self.weight_version)
+                if batch:
+                    self.counters["steps"] += 1
+                    self._run(batch, out)
             self._failures_in_a_row = 0
         except Exception as e:
             if self._step_failed(batch or [(s, 0) for s in self.scheduler.running], e):
@@ -293,7 +301,78 @@ class DynamicInferenceEngine:
         for item in prep.prompt_lp:
             self._isolated(item[0], "prompt log-probs", self._prompt_log_probs, item, logits)
         if prep.samplers:
-            self._sample(prep.samplers, self.runner.sampling_logits(prep, logits), out)
+            logits = self.runner.sampling_logits(prep, logits)
+            if self.config.async_scheduling and prep.decode_only and self.routing is None:
+                try:
+                    self._inflight = InFlight(prep.samplers, self._sample_on_device(
+                        prep.samplers, logits, [len(s.tokens) for s in prep.samplers]))  # fmt: skip
+                    return
+                except Exception:  # sampled again below, row by row where a row is at fault
+                    log.debug("device-side sampling failed; sampling synchronously", exc_info=True)
+            self._sample(prep.samplers, logits, out)
+
+    # -- async scheduling (rollout.engine.overlap) ---------------------------------------------
+    def _sample_on_device(
+        self, seqs: list[Sequence], logits: torch.Tensor, positions: list[int]
+    ) -> sampler.DeviceSample:
+        params = [s.request.sampling_params for s in seqs]
+        return sampler.sample_on_device(logits, params, [s.seed for s in seqs], positions)
+
+    def _follow(self, out: StepOutput) -> bool:
+        """Launch the decode of the in-flight sequences on their device-side samples, then
+        read and bookkeep those samples while the device works. False (nothing done) when the
+        next step needs the scheduler or the launch fails: the caller drains and schedules."""
+        flight = self._inflight
+        if flight is None or self.routing is not None or not can_follow(
+            flight, self.scheduler.running, not self.scheduler.waiting, self.config.block_size,
+            self.config.max_sequence_length, self.config.max_tokens_per_step,
+        ):  # fmt: skip
+            return False
+        seqs = flight.seqs
+        try:
+            prep = decode_batch(seqs, self.config.block_size, self.device)
+            t0 = time.perf_counter()
+            logits = self.runner.logits(prep, self.kv.cache, token_ids=flight.sample.tokens)
+            self.counters["forward_time_s"] += time.perf_counter() - t0
+            nxt = self._sample_on_device(seqs, logits, [s.num_computed + 1 for s in seqs])
+        except Exception:  # the synchronous path recomputes the same K/V and isolates faults
+            log.debug("overlapped decode failed; running the step synchronously", exc_info=True)
+            return False
+        self.counters["steps"] += 1
+        self.counters["overlapped_steps"] += 1
+        self.blocks.stats.tokens_computed += len(seqs)
+        for seq in seqs:
+            seq.num_computed += 1
+        self._inflight = None
+        self._resolve(flight, out)
+        self._inflight = InFlight(seqs, nxt)
+        return True
+
+    def _drain(self, out: StepOutput | None = None) -> None:
+        """Read and bookkeep the in-flight step, if any (partials go to `out`, else to the
+        next step's output): the host catches up with the device."""
+        flight, self._inflight = self._inflight, None
+        if flight is None:
+            return
+        sink = out if out is not None else StepOutput()
+        self._resolve(flight, sink)
+        if out is None:
+            self._late_partials.extend(sink.partials)
+
+    def _resolve(self, flight: InFlight, out: StepOutput) -> None:
+        """Take `flight`'s tokens (one device-to-host sync) into the sequences still in the
+        engine; a sequence that finished, failed or was aborted since its launch drops its
+        token (computed past its end)."""
+        result = sampler.to_host(flight.sample)
+        now = time.time()
+        for i, seq in enumerate(flight.seqs):
+            if self._seqs.get(seq.request_id) is not seq:
+                continue
+            if self.config.enable_prefix_caching:  # blocks of known tokens, before any finish
+                self._isolated(seq, "prefix-cache registration", self._register_blocks, seq,
+                               len(seq.tokens))  # fmt: skip
+            if self._seqs.get(seq.request_id) is seq:
+                self._isolated(seq, "token bookkeeping", self._take_token, seq, result, i, now, out)
 
     def _isolated(self, seq: Sequence, stage: str, fn: Callable[..., None], *args: Any) -> bool:
         """Run one request's part of the step; a fault fails that request alone (False)."""
@@ -425,10 +504,11 @@ class DynamicInferenceEngine:
         req.staleness_version = self.weight_version  # what its staleness counters count from
         self.counters["requests_finished"] += 1
 
-    def _register_blocks(self, seq: Sequence) -> None:
-        """Offer `seq`'s newly completed blocks to the prefix cache."""
+    def _register_blocks(self, seq: Sequence, computed: int | None = None) -> None:
+        """Offer `seq`'s newly completed blocks (of its first `computed` tokens, by default
+        all it has KV for) to the prefix cache."""
         bs = self.config.block_size
-        full = seq.num_computed // bs
+        full = (seq.num_computed if computed is None else computed) // bs
         if not seq.cacheable or full <= seq.num_registered or not seq.block_table:
             return
         hashes = seq.block_hashes(full)
@@ -494,6 +574,7 @@ class DynamicInferenceEngine:
             raise ValueError(f"suspend mode must be one of {SUSPEND_MODES}, got {mode!r}")
         if self.suspended is not None:
             return 0
+        self._drain()  # its tokens carry the version that sampled them
         for seq in self.scheduler.running:
             seq.request.status = Status.ACTIVE_BUT_NOT_GENERATING_TOKENS
             seq.request.add_event_pause()
@@ -527,6 +608,7 @@ class DynamicInferenceEngine:
     def close(self) -> None:
         """Forget every request and free the KV pool and any host copy of it; step() and
         resume() raise afterwards. Idempotent."""
+        self._inflight = None
         for rid in list(self._seqs):
             self.discard(rid)
         self._done.clear()
@@ -548,6 +630,7 @@ class DynamicInferenceEngine:
         applied, and prefix-cache blocks from older weights are dropped.
         """
         targets = self._check_update(state_dict, version)
+        self._drain()  # the in-flight tokens are the old version's
         with torch.no_grad():
             for name, t in state_dict.items():
                 targets[name].copy_(t)
@@ -560,6 +643,7 @@ class DynamicInferenceEngine:
         if staged is not self.weight_stage.staged or staged.version <= self.weight_version:
             raise ValueError(f"version {staged.version} is not the one staged for this engine "
                              f"(serving {self.weight_version})")  # fmt: skip
+        self._drain()  # the in-flight tokens are the old version's
         self.weight_stage.flip(staged, swap=self.runner.graphs is None)
         self._after_update(staged.version)
 

@@ -109,17 +109,20 @@ class ModelRunner:
         self, prep: PreparedBatch, kv_cache: torch.Tensor,
         routes: list[torch.Tensor] | None = None,
         replay: tuple[torch.Tensor, torch.Tensor] | None = None,
+        token_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | None:  # fmt: skip
         """Logits [len(prep.logit_rows), V] in logit-row order (None when no row needs them);
         the new tokens' K/V land in kv_cache. `routes` (routing replay) receives each MoE
         layer's experts [prep.num_tokens, k]; `replay` (experts, mask) routes recomputed
         positions to their recorded experts (eager path: decode rows are never replayed).
+        `token_ids`, a device tensor, replaces `prep.tokens` (async scheduling: the previous
+        step's samples, which the host has not read yet).
 
         A step that fails on the flex backend (a kernel the device or compiler refuses) is
         rerun on the torch backend, which the runner keeps from then on: it costs speed, never
         the engine. The rerun rewrites the K/V the failed try wrote, with the same values."""
         try:
-            return self._logits(prep, kv_cache, routes, replay)
+            return self._logits(prep, kv_cache, routes, replay, token_ids)
         except Exception:
             if self.attention_backend != "flex":
                 raise
@@ -128,12 +131,13 @@ class ModelRunner:
             if self.graphs is not None:
                 self.graphs.clear()
                 self.graphs.attention_backend = "torch"
-            return self._logits(prep, kv_cache, routes, replay)
+            return self._logits(prep, kv_cache, routes, replay, token_ids)
 
     def _logits(
         self, prep: PreparedBatch, kv_cache: torch.Tensor,
         routes: list[torch.Tensor] | None = None,
         replay: tuple[torch.Tensor, torch.Tensor] | None = None,
+        token_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | None:  # fmt: skip
         graphs = self.graphs
         if (
@@ -144,7 +148,8 @@ class ModelRunner:
         ):
             try:
                 return graphs.logits(prep.tokens, prep.positions, prep.context_lens,
-                                     prep.block_tables, prep.block_size, kv_cache, routes)  # fmt: skip
+                                     prep.block_tables, prep.block_size, kv_cache, routes,
+                                     token_ids)  # fmt: skip
             except Exception:  # a capture the device refuses costs speed, never the engine
                 if self.attention_backend == "flex":
                     raise  # flex may be to blame: `logits` retries on the torch backend first
@@ -152,6 +157,8 @@ class ModelRunner:
                 graphs.clear()
                 self.graphs = None
         input_ids, positions, meta = prep.to_device(self.attention_backend)
+        if token_ids is not None:
+            input_ids = token_ids
         if routes is None:
             hidden = self.model.forward_paged(input_ids, positions, meta, kv_cache)
         else:

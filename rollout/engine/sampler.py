@@ -48,13 +48,43 @@ class SampleOutput:
     top_n: list[dict[int, float]] | None  # per row, empty dict where not requested
 
 
-def sample(
+@dataclass
+class DeviceSample:
+    """One step's samples still on the device: the step after may feed `tokens` to its forward
+    before the host reads anything (rollout.engine.overlap). `start_copy` queues the one
+    device-to-host transfer; `to_host` waits for it."""
+
+    tokens: torch.Tensor  # [B] int64
+    log_probs: torch.Tensor | None  # [B] of each sampled token, when any row wants them
+    top: tuple[torch.Tensor, torch.Tensor] | None  # (values, ids) [B, max_n]
+    top_ns: list[int]  # per row, how many of `top` it asked for
+    _host: list[torch.Tensor] | None = None
+    _event: torch.cuda.Event | None = None
+
+    def start_copy(self) -> None:
+        """Queue the copy into pinned host memory (CUDA), so reading it later waits for this
+        step's work only, not for whatever was launched after it."""
+        parts = [self.tokens.double()[None]]
+        if self.log_probs is not None:
+            parts.append(self.log_probs.double()[None])
+        packed = [torch.cat(parts)]  # tokens and log-probs in one transfer (fp64 holds both)
+        if self.top is not None:
+            packed += [self.top[0].double(), self.top[1]]
+        if self.tokens.device.type != "cuda":
+            self._host = packed
+            return
+        self._host = [t.to("cpu", non_blocking=True) for t in packed]
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+
+def sample_on_device(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     seeds: Sequence[int],
     positions: Sequence[int],
-) -> SampleOutput:
-    """logits [B, V] -> one token per row. positions: absolute index of the token being sampled."""
+) -> DeviceSample:
+    """logits [B, V] -> one token per row, on the device; nothing waits for the device."""
     logits = logits.float()
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if not rows:
@@ -71,25 +101,45 @@ def sample(
             tokens.index_copy_(0, idx, _sample_rows(logits.index_select(0, idx), sub, u))
 
     want_lp = any(p.return_log_probs for p in params)
-    max_n = max(p.top_n_logprobs for p in params)
-    log_probs = top_n = None
-    logp = (
-        _log_softmax(logits, [p.logprobs_temperature for p in params]) if want_lp or max_n else None
-    )
-    if want_lp:  # tokens and their log-probs in one transfer (fp64 holds both exactly)
-        lp = logp.gather(1, tokens[:, None]).squeeze(1)
-        token_list, log_probs = torch.stack((tokens.double(), lp.double())).tolist()
-        token_list = [int(t) for t in token_list]
-    else:
-        token_list = tokens.tolist()
-    if max_n:
-        vals, ids = logp.topk(min(max_n, logp.shape[-1]), dim=-1)
-        vals, ids = vals.tolist(), ids.tolist()
-        top_n = [
-            dict(zip(ids[i][: p.top_n_logprobs], vals[i][: p.top_n_logprobs], strict=False))
-            for i, p in enumerate(params)
-        ]
-    return SampleOutput(token_list, log_probs, top_n)
+    top_ns = [p.top_n_logprobs for p in params]
+    max_n = max(top_ns)
+    lp = top = None
+    if want_lp or max_n:
+        logp = _log_softmax(logits, [p.logprobs_temperature for p in params])
+        if want_lp:
+            lp = logp.gather(1, tokens[:, None]).squeeze(1)
+        if max_n:
+            top = logp.topk(min(max_n, logp.shape[-1]), dim=-1)
+            top = (top.values, top.indices)
+    out = DeviceSample(tokens, lp, top, top_ns)
+    out.start_copy()
+    return out
+
+
+def to_host(sample: DeviceSample) -> SampleOutput:
+    """The step's one device-to-host synchronization: wait for the copy, unpack it."""
+    if sample._event is not None:
+        sample._event.synchronize()
+    host = sample._host
+    packed = host[0].tolist()
+    tokens = [int(t) for t in packed[0]]
+    log_probs = packed[1] if sample.log_probs is not None else None
+    top_n = None
+    if sample.top is not None:
+        vals, ids = host[1].tolist(), host[2].tolist()
+        top_n = [dict(zip(ids[i][:n], vals[i][:n], strict=False))
+                 for i, n in enumerate(sample.top_ns)]  # fmt: skip
+    return SampleOutput(tokens, log_probs, top_n)
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    seeds: Sequence[int],
+    positions: Sequence[int],
+) -> SampleOutput:
+    """logits [B, V] -> one token per row. positions: absolute index of the token being sampled."""
+    return to_host(sample_on_device(logits, params, seeds, positions))
 
 
 def _log_softmax(logits: torch.Tensor, temps: Sequence[float]) -> torch.Tensor:
