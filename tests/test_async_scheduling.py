@@ -97,7 +97,7 @@ def test_outputs_match_and_one_sync_per_step(monkeypatch):
     off, _, _ = _run(False, params)
     reads.clear()
     per_step = []
-    on, eng, steps = _run(True, [_params(i) for i in range(len(PROMPTS))])
+    on, eng, _ = _run(True, [_params(i) for i in range(len(PROMPTS))])
     _assert_same(on, off)
     assert len(reads) <= eng.stats()["steps"] + 1  # at most one read per step (and the last)
     eng2 = DynamicInferenceEngine(tiny_model(seed=0), IdTokenizer(),

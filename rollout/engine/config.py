@@ -92,8 +92,12 @@ class InferenceConfig:
         self.max_tokens_per_step = _positive_int("max_tokens_per_step", self.max_tokens_per_step)
         self.max_sequence_length = _positive_int("max_sequence_length", self.max_sequence_length)
         self.streaming_interval = _positive_int("streaming_interval", self.streaming_interval, True)
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "cuda_graphs",
-                     "async_scheduling"):
+        for name in (
+            "enable_prefix_caching",
+            "enable_chunked_prefill",
+            "cuda_graphs",
+            "async_scheduling",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"InferenceConfig.{name} must be a bool, got {getattr(self, name)!r}"
