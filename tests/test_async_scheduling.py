@@ -10,9 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+import torch
 from reference import tiny_model
 
 from rollout.engine import DynamicInferenceEngine, InferenceConfig, sampler
+from rollout.engine.cuda_graphs import DecodeGraphs
 from rollout.sampling import SamplingParams
 
 
@@ -45,12 +47,17 @@ def _run(
     async_scheduling: bool,
     params: list[SamplingParams],
     events: dict[int, Event] | None = None,
-    weights: int = 0,
+    graphs: bool = False,
     **kw,
 ) -> tuple[list[tuple], DynamicInferenceEngine, int]:
     kw.setdefault("num_blocks", 256)
     config = InferenceConfig(async_scheduling=async_scheduling, **kw)
-    eng = DynamicInferenceEngine(tiny_model(seed=weights), IdTokenizer(), config)
+    model = tiny_model(seed=0)
+    eng = DynamicInferenceEngine(model, IdTokenizer(), config)
+    if graphs:  # the graph path's static forward, run eagerly on CPU (tests/test_cuda_graphs.py)
+        max_blocks = -(-config.max_sequence_length // config.block_size)
+        eng.runner.graphs = DecodeGraphs(model, config.max_requests, max_blocks,
+                                         torch.device("cpu"), capture=False)  # fmt: skip
     ids = [eng.add_request(None, p, sp).request_id for p, sp in zip(PROMPTS, params, strict=False)]
     done, steps = {}, 0
     while eng.has_unfinished_requests():
@@ -83,7 +90,7 @@ def _same(params: list[SamplingParams], events: dict[int, Event] | None = None, 
     off, _, _ = _run(False, params, events, **kw)
     on, eng, _ = _run(True, params, events, **kw)
     _assert_same(on, off)
-    assert eng.stats()["steps"] > 0
+    assert eng.stats()["overlapped_steps"] > 0
     return off
 
 
@@ -149,14 +156,47 @@ def test_weight_update_between_steps_keeps_versions_exact(policy):
     assert versions[0] == 0 and versions[-1] == 1
 
 
+def test_staged_flip_between_steps_keeps_versions_exact():
+    def flip(eng: DynamicInferenceEngine, ids: list[int]) -> None:
+        staged = eng.stage_weights(tiny_model(seed=1).state_dict(), 1)
+        with eng.weight_stage.hold():
+            eng.flip_weights(staged)
+
+    rows = _same([_params(i) for i in range(len(PROMPTS))], {5: flip})
+    assert rows[2][3][:3] == [0, 0, 0] and rows[2][3][-1] == 1
+
+
+def test_graph_decode_path_takes_the_device_side_tokens():
+    """The decode graphs' input buffer is written from the previous step's samples."""
+    params = [_params(i) for i in range(len(PROMPTS))]
+    off, _, _ = _run(False, params)
+    on, eng, _ = _run(True, params, graphs=True)
+    _assert_same(on, off)
+    stats = eng.stats()
+    assert (
+        stats["overlapped_steps"] > 10 and stats["decode_graph_eager"] >= stats["overlapped_steps"]
+    )
+
+
 @pytest.mark.parametrize("mode", ["persist", "offload", "recompute"])
 def test_suspend_resume(mode):
-    def suspend_and_resume(eng: DynamicInferenceEngine, ids: list[int]) -> None:
-        eng.suspend(mode)
-        eng.resume()
+    """Suspend drains the in-flight step: while suspended, every record already holds each
+    token computed so far (what a trainer inspecting them expects), as without the option."""
+    seen: dict[bool, list[int]] = {}
 
-    rows = _same([_params(i) for i in range(len(PROMPTS))], {8: suspend_and_resume})
-    assert all(r[4] == "length" for r in rows)
+    def run(async_scheduling: bool) -> list[tuple]:
+        def suspend_and_resume(eng: DynamicInferenceEngine, ids: list[int]) -> None:
+            eng.suspend(mode)
+            seen[async_scheduling] = [len(eng._seqs[i].request.generated_tokens) for i in ids]
+            eng.resume()
+
+        params = [_params(i) for i in range(len(PROMPTS))]
+        return _run(async_scheduling, params, {8: suspend_and_resume})[0]
+
+    off, on = run(False), run(True)
+    _assert_same(on, off)
+    assert seen[True] == seen[False] and min(seen[True]) > 0
+    assert all(r[4] == "length" for r in on)
 
 
 def test_streaming_partials_match():

@@ -124,6 +124,8 @@ class DecodeGraphs:
         self._stage(batch, width, [tokens, positions, slots, context_lens], tables)
         if token_ids is not None:  # device to device, behind the step that sampled them
             self._dev[:n].copy_(token_ids)
+            self._dev[n:batch].copy_(token_ids[:1].expand(batch - n))  # padding repeats row 0:
+            # its K/V lands in row 0's slot, so it must be row 0's token
         if not self.capture:
             self.counters["eager"] += 1
             layers: list[torch.Tensor] = []
