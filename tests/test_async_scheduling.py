@@ -15,6 +15,7 @@ from reference import tiny_model
 
 from rollout.engine import DynamicInferenceEngine, InferenceConfig, sampler
 from rollout.engine.cuda_graphs import DecodeGraphs
+from rollout.request import DynamicInferenceEventType, Status
 from rollout.sampling import SamplingParams
 
 
@@ -220,3 +221,28 @@ def test_streaming_partials_match():
 def test_option_is_checked():
     with pytest.raises(ValueError, match="async_scheduling"):
         InferenceConfig(async_scheduling="yes")
+
+
+def test_a_failed_read_fails_the_in_flight_requests_only(monkeypatch):
+    """A device fault surfacing at the read fails the requests whose token it held (their last
+    token is lost) with a RequestFault, and the engine serves the next request."""
+    eng = DynamicInferenceEngine(tiny_model(seed=0), IdTokenizer(),
+                                 InferenceConfig(num_blocks=256, async_scheduling=True))  # fmt: skip
+    rid = eng.add_request(None, PROMPTS[0], _params(0)).request_id
+    for _ in range(3):
+        eng.step()
+    assert eng._inflight is not None
+    real = sampler.to_host
+
+    def broken(sample):
+        monkeypatch.setattr(sampler, "to_host", real)
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(sampler, "to_host", broken)
+    finished = eng.step().finished
+    assert [r.request_id for r in finished] == [rid]
+    req = finished[0].requests[-1]
+    assert req.status == Status.FAILED
+    errors = [e for e in req.events if e.type == DynamicInferenceEventType.ERROR_NONTRANSIENT]
+    assert "reading the in-flight step failed" in errors[-1].payload["message"]
+    assert eng.generate([PROMPTS[1]], _params(0, n=4))[0].stop_reason == "length"

@@ -363,7 +363,12 @@ class DynamicInferenceEngine:
         """Take `flight`'s tokens (one device-to-host sync) into the sequences still in the
         engine; a sequence that finished, failed or was aborted since its launch drops its
         token (computed past its end)."""
-        result = sampler.to_host(flight.sample)
+        try:
+            result = sampler.to_host(flight.sample)
+        except Exception as e:  # its sequences' last token is lost: they cannot go on
+            for seq in flight.seqs:
+                self._fail_seq(seq, "reading the in-flight step", e)
+            return
         now = time.time()
         for i, seq in enumerate(flight.seqs):
             if self._seqs.get(seq.request_id) is not seq:
