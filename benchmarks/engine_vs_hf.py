@@ -49,7 +49,8 @@ def sync(device: torch.device) -> None:
 
 
 def run_ours(model, prompts, samples: int, new: int, greedy: bool, device, block_size: int,
-             cuda_graphs: bool = True, attention_backend: str = "auto"):  # fmt: skip
+             cuda_graphs: bool = True, attention_backend: str = "auto",
+             async_scheduling: bool = False):  # fmt: skip
     n_req = len(prompts) * samples
     longest = max(map(len, prompts)) + new
     cfg = InferenceConfig(
@@ -61,6 +62,7 @@ def run_ours(model, prompts, samples: int, new: int, greedy: bool, device, block
         enable_prefix_caching=True,
         cuda_graphs=cuda_graphs,
         attention_backend=attention_backend,
+        async_scheduling=async_scheduling,
     )
     eng = DynamicInferenceEngine(model, None, cfg)
     for i, p in enumerate(prompts):

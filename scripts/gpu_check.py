@@ -13,7 +13,8 @@ memory stage measures a clean device) under its own time budget:
                    a training-sized allocation fits only while suspended (CUDA; gpu_memory.py)
   ipc_weight_sync  rollout.weights.ipc.benchmark_ipc_sync: IPC handover vs a plain copy, s/GB
   throughput       engine tokens/s vs transformers generate(), benchmarks/engine_vs_hf.py's
-                   two workloads; on CUDA the torch attention backend beside the default (flex)
+                   two workloads; on CUDA the torch attention backend beside the default (flex);
+                   async scheduling (engine.async_scheduling) on beside off
   decode_profile   one decode step under the torch profiler: wall vs device-busy ms, kernels
                    and host syncs per step, the top ops (gpu_profile.py)
   grpo_recipe      a short `python -m recipes.grpo_reverse` run (engine=gpu on CUDA), rewards
@@ -304,6 +305,8 @@ def stage_throughput(ctx: Ctx) -> None:
             bench.run_hf(hf, prompts, k, 4, greedy, device)
             ours = bench.run_ours(model, prompts, k, new, greedy, device, 16)
             eager = bench.run_ours(model, prompts, k, new, greedy, device, 16, cuda_graphs=False)
+            overlap = bench.run_ours(model, prompts, k, new, greedy, device, 16,
+                                     async_scheduling=True)  # fmt: skip
             other = None
             if ctx.cuda:
                 other = bench.run_ours(model, prompts, k, new, greedy, device, 16,
@@ -312,6 +315,7 @@ def stage_throughput(ctx: Ctx) -> None:
             row = {"model": size, "params": config.num_parameters(), "workload": name,
                    "requests": n * k, "ours_tokens_per_s": ours["tokens_per_s"],
                    "ours_eager_tokens_per_s": eager["tokens_per_s"],
+                   "ours_async_scheduling_tokens_per_s": overlap["tokens_per_s"],
                    "hf_tokens_per_s": theirs["tokens_per_s"],
                    "speedup": ours["tokens_per_s"] / theirs["tokens_per_s"],
                    "eager_speedup": eager["tokens_per_s"] / theirs["tokens_per_s"],
@@ -321,12 +325,14 @@ def stage_throughput(ctx: Ctx) -> None:
             ctx.details["runs"].append(row)
             print(f"  {size} {name}: ours ({row['attention_backend']}) "
                   f"{row['ours_tokens_per_s']:.0f} tok/s (eager "
-                  f"{row['ours_eager_tokens_per_s']:.0f}"
+                  f"{row['ours_eager_tokens_per_s']:.0f}, async scheduling "
+                  f"{row['ours_async_scheduling_tokens_per_s']:.0f}"
                   + (f", torch attention {other['tokens_per_s']:.0f}" if other else "")
                   + f"), hf {row['hf_tokens_per_s']:.0f} tok/s, x{row['speedup']:.2f}",
                   flush=True)  # fmt: skip
             ctx.check(f"{size}_{name}_all_tokens",
-                      ours["tokens"] == eager["tokens"] == theirs["tokens"] == n * k * new
+                      ours["tokens"] == eager["tokens"] == overlap["tokens"] == theirs["tokens"]
+                      == n * k * new
                       and (other is None or other["tokens"] == n * k * new))  # fmt: skip
             if ctx.cuda:  # flex is the default there; a fallback to torch is logged and fails
                 ctx.check(f"{size}_{name}_flex_ran", ours["attention_backend"] == "flex")

@@ -62,6 +62,9 @@ def test_cpu_mode_passes_every_cpu_stage(tmp_path):
     )
     assert memory["persist"]["reported_freed_bytes"] == 0
     assert len(stages["throughput"]["details"]["runs"]) == 2
+    assert all(
+        r["ours_async_scheduling_tokens_per_s"] > 0 for r in stages["throughput"]["details"]["runs"]
+    )
     assert stages["decode_profile"]["details"]["eager"]["wall_ms_per_step"] > 0
     assert len(stages["grpo_recipe"]["details"]["rewards"]) == 3
     speed = stages["speed"]["details"]
