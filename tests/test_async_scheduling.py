@@ -74,13 +74,18 @@ def _run(
         r = done[i]
         rows.append((list(r.generated_tokens), r.generated_log_probs, r.generated_top_n_logprobs,
                      r.generated_weight_versions, r.stop_reason, r.generated_text,
-                     r.status))  # fmt: skip
+                     r.status, _listed(r.policy_staleness),
+                     _listed(r.kv_cache_staleness)))  # fmt: skip
     return rows, eng, steps
+
+
+def _listed(t) -> list | None:
+    return None if t is None else t.tolist()
 
 
 def _assert_same(on: list[tuple], off: list[tuple]) -> None:
     for a, b in zip(on, off, strict=True):
-        assert a[0] == b[0] and a[3:] == b[3:]  # tokens, versions, reason, text, status
+        assert a[0] == b[0] and a[3:] == b[3:]  # tokens, versions, reason, text, status, staleness
         assert a[1] == pytest.approx(b[1], abs=1e-5)
         assert [list(d) for d in a[2]] == [list(d) for d in b[2]]
         top_a = [v for d in a[2] for v in d.values()]
