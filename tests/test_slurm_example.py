@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.heavy  # .ci/run runs it; the default suite stays ~10 minutes
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "slurm" / "grpo_multinode.sbatch"
 # A couple of seconds of training: 2 groups x 4 samples, 2 RL steps, no eval, no W&B.
@@ -26,8 +28,6 @@ SHORT = [
 # srun: the step's tasks run here, SIGTERM and SIGINT passed on to them, as srun does.
 SRUN = """#!{python}
 import os, signal, subprocess, sys
-
-pytestmark = pytest.mark.heavy  # .ci/run runs it; the default suite stays ~10 minutes
 
 args, ntasks = sys.argv[1:], 1
 while args and args[0].startswith("-"):
