@@ -11,26 +11,13 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from id_tokenizer import IdTokenizer
 from reference import tiny_model
 
 from rollout.engine import DynamicInferenceEngine, InferenceConfig, sampler
 from rollout.engine.cuda_graphs import DecodeGraphs
 from rollout.request import DynamicInferenceEventType, Status
 from rollout.sampling import SamplingParams
-
-
-class IdTokenizer:
-    """'12 34' <-> [12, 34]: stop words name token ids."""
-
-    bos_id = None
-    eos_ids: list[int] = []
-
-    def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        return [int(x) for x in text.split()]
-
-    def decode(self, ids) -> str:
-        return " ".join(str(i) for i in ids)
-
 
 PROMPTS = [[5, 6, 7], list(range(10, 40)), [200], list(range(60, 77)), [9, 9, 9, 9, 9]]
 Event = Callable[[DynamicInferenceEngine, list[int]], None]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from id_tokenizer import IdTokenizer
 from reference import greedy, prompts_of
 
 from rollout import hashing
@@ -14,19 +15,6 @@ from rollout.sampling import SamplingParams
 from rollout.tokenizers import ByteTokenizer
 
 GREEDY = SamplingParams(temperature=0.0, num_tokens_to_generate=8, ignore_eos=True)
-
-
-class IdTokenizer:
-    """'12 34' <-> [12, 34]: lets tests name stop words by token id."""
-
-    bos_id = None
-    eos_ids: list[int] = []
-
-    def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        return [int(x) for x in text.split()]
-
-    def decode(self, ids) -> str:
-        return " ".join(str(i) for i in ids)
 
 
 _REF: dict[tuple, list[int]] = {}
