@@ -145,7 +145,9 @@ def build_app(
         first = e.errors()[0] if e.errors() else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
-        return _error(bad_request(msg, loc[0] if loc else None))
+        # /inference/v1/generate's sampling_params are parameters in their own right
+        param = loc[1] if len(loc) > 1 and loc[0] == "sampling_params" else (loc or [None])[0]
+        return _error(bad_request(msg, param))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> Response:

@@ -30,23 +30,54 @@ DEFAULTS = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
             "logit_bias": None, "allowed_token_ids": None, "bad_words": None}  # fmt: skip
 
 
+class VLLMSamplingParams(BaseModel):
+    """`sampling_params`, each field typed before anything reads it (a string seed is a 400
+    naming it, not a TypeError in `seed + i`); unknown fields are kept to be refused by name."""
+
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=unstated_extras)
+
+    n: int = 1
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    ignore_eos: bool | None = None
+    logprobs: int | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    detokenize: bool | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+
+
 class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=unstated_extras)
 
     model: str | None = None
     token_ids: list[int] = Field(min_length=1)
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    sampling_params: VLLMSamplingParams = Field(default_factory=VLLMSamplingParams)
     request_id: str | None = None
     stream: bool = False
 
 
 def to_sampling_params(
-    p: dict[str, Any], logprobs_mode: str = "raw_logprobs"
+    params: VLLMSamplingParams, logprobs_mode: str = "raw_logprobs"
 ) -> tuple[list[SamplingParams], int | None]:
     """One SamplingParams per choice (n; seeds seed+i) and the requested top-n (None: no
     `logprobs` in the reply), or a 400 naming the parameter. Log-probs are in the server's
     `--logprobs-mode` (vLLM's: a server setting, not a request's)."""
-    p = dict(p)
+    p = params.model_dump(exclude_none=True)  # extras included: refused below by name
     for name in TEXT_ONLY:
         p.pop(name, None)
     for name, default in DEFAULTS.items():

@@ -77,7 +77,7 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: dict[str, bool | None] | None = None  # typed: "yes" is no include_usage
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
