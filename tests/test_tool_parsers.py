@@ -89,3 +89,57 @@ def test_streamed_text_without_a_call_is_all_content():
     assert content == text and not calls and not called
     llama = "plain answer"
     assert _accumulate("llama3_json", [llama[:k] for k in range(1, 12)], llama)[0] == llama
+
+
+# -- degenerate calls (issue 31, defect 7) ----------------------------------------------------
+
+DEEP = '<tool_call>{"name": "f", "arguments": {"x": ' + "[" * 1000 + "]" * 1000 + "}}</tool_call>"
+
+
+def test_bounded_parse_keeps_degenerate_calls_as_text():
+    from rollout.serving.http.tool_parsers import MAX_DEPTH, nesting_depth, parse_bounded
+
+    assert nesting_depth('{"a": "[[[[", "b": [{}]}') == 3  # brackets in strings do not nest
+    for name in PARSERS:
+        assert parse_bounded(PARSERS[name](), DEEP) == (DEEP, [])
+    shallow = '<tool_call>{"name": "f", "arguments": {"x": ' + "[" * 8 + "]" * 8 + "}}"
+    assert MAX_DEPTH > 10 and len(parse_bounded(PARSERS["hermes"](), shallow)[1]) == 1
+
+
+def _tool_app():
+    from http_inproc import scripted_app
+
+    from rollout.tokenizers import ByteTokenizer
+
+    reply = list(DEEP.encode())
+    return scripted_app(lambda p, sp: reply, tokenizer=ByteTokenizer(), chunk=64,
+                        chat_template="{{ messages[0]['content'] }}", tool_call_parser="hermes",
+                        enable_auto_tool_choice=True)[0]  # fmt: skip
+
+
+CHAT = {"messages": [{"role": "user", "content": "q"}], "max_tokens": 4096,
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}  # fmt: skip
+
+
+def test_degenerate_tool_call_is_the_reply_text_unstreamed_and_streamed():
+    import asyncio
+
+    from http_inproc import asgi_client
+
+    async def go():
+        async with asgi_client(_tool_app()) as http:
+            whole = await http.post("/v1/chat/completions", json=CHAT)
+            streamed = await http.post("/v1/chat/completions", json={**CHAT, "stream": True})
+            return whole, streamed
+
+    whole, streamed = asyncio.run(go())
+    assert whole.status_code == 200, whole.text
+    choice = whole.json()["choices"][0]
+    assert choice["message"]["content"] == DEEP and "tool_calls" not in choice["message"]
+    assert choice["finish_reason"] == "length"
+    events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", streamed.text[-300:]
+    chunks = [json.loads(e)["choices"] for e in events[:-1]]
+    content = "".join(c[0]["delta"].get("content") or "" for c in chunks if c)
+    assert content == DEEP
+    assert [c[0]["finish_reason"] for c in chunks if c][-1] == "length"

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from rollout.serving.http.schemas import bad_request
-from rollout.serving.http.tool_parsers import PARSERS, ToolParser
+from rollout.serving.http.tool_parsers import PARSERS, ToolParser, parse_bounded
 
 FINAL_STOP_REASONS = ("eos", "stop_token")  # the last token ended the reply: not its text
 
@@ -60,7 +60,7 @@ def message(be: Any, req: Any, rec: Any, text: str, reason: str | None) -> tuple
     parser = parser_for(be, req)
     if parser is None:
         return {"role": "assistant", "content": text}, reason
-    content, calls = parser.parse(reply_text(be, rec))
+    content, calls = parse_bounded(parser, reply_text(be, rec))
     if not calls:
         return {"role": "assistant", "content": text}, reason
     if req.parallel_tool_calls is False:

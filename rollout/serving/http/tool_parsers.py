@@ -9,7 +9,9 @@ models people train; the server picks one with `--tool-call-parser`, as vLLM doe
   `[TOOL_CALLS]name[ARGS]{...}` per call; content is the text before `[TOOL_CALLS]`.
 
 A call whose JSON does not parse leaves the whole text as content (finish_reason stays "stop"):
-a malformed call is the model's text, not a server error. Arguments are returned as a JSON
+a malformed call is the model's text, not a server error. `parse_bounded` is what the server
+calls: a message past MAX_PARSED_CHARS, or nested deeper than MAX_DEPTH (a degenerate reply of a
+thousand brackets overflows the JSON decoder's recursion), and any parser failure, is text. Arguments are returned as a JSON
 string, as OpenAI does. `ToolStream` streams content until a call may have begun and then the
 calls as deltas the openai client accumulates (id, type and name first, then the arguments).
 """
@@ -23,6 +25,9 @@ import string
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+MAX_PARSED_CHARS = 1 << 20  # a message longer than this is not searched for calls
+MAX_DEPTH = 64  # brackets nested deeper than this (outside JSON strings) are no call
 
 
 @dataclass
@@ -153,6 +158,39 @@ PARSERS: dict[str, Callable[[], ToolParser]] = {
 }
 
 
+def nesting_depth(text: str) -> int:
+    """How deep `[`/`{` nest in `text`, outside JSON strings (what the decoder would recurse)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth = max(0, depth - 1)
+    return deepest
+
+
+def parse_bounded(parser: ToolParser, text: str) -> tuple[str | None, list[ToolCall]]:
+    """`parser.parse(text)`, or the whole text as content (no calls) when the text is past the
+    bounds or the parser fails in any way: no parser failure may cost the reply."""
+    if len(text) > MAX_PARSED_CHARS or nesting_depth(text) > MAX_DEPTH:
+        return text, []
+    try:
+        return parser.parse(text)
+    except Exception:  # a parser bug on model output: the model's text
+        return text, []
+
+
 class ToolStream:
     """One streamed choice's text, split into content deltas (sent while no call can have
     begun; a possible marker prefix is held back) and, at the end, tool-call deltas."""
@@ -173,7 +211,7 @@ class ToolStream:
     def finish(self, text: str, single: bool) -> tuple[str, list[dict], bool]:
         """(the last content delta, tool-call deltas, whether there were calls) for the
         finished message; `single`: parallel_tool_calls false keeps the first call."""
-        content, calls = self.parser.parse(text)
+        content, calls = parse_bounded(self.parser, text)
         if single:
             calls = calls[:1]
         deltas: list[dict] = []
