@@ -42,7 +42,12 @@ from rollout.serving.http.schemas import (
     finish_reason,
     sampling_params,
 )
-from rollout.serving.http.scoring import completion_logprobs, token_logprobs
+from rollout.serving.http.scoring import (
+    completion_logprobs,
+    engine_choices,
+    share_prompt_scores,
+    token_logprobs,
+)
 from rollout.serving.http.text_checks import refuse_lone_surrogates
 from rollout.serving.http.token_routes import router as token_router
 from rollout.serving.http.tool_parsers import PARSERS, ToolStream
@@ -281,8 +286,9 @@ async def _generate(be: Backend, req: Any, request: Request, prompts: list[list[
             ticket.release_with(stream)  # a stream that never starts never reaches its finally
             streaming = True
             return StreamingResponse(stream, media_type="text/event-stream")
-        futures = _submit(be, prompts, sps)
-        records = await _wait_or_abort(be, futures, request)
+        ran = engine_choices(req, sps)  # a prompt's log-probs once for its n choices
+        records = await _wait_or_abort(be, _submit(be, prompts, ran), request)
+        records = share_prompt_scores(records, len(sps), len(ran))
     finally:
         if not streaming:
             ticket.release()

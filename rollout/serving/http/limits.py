@@ -6,7 +6,8 @@ of answer), and without a bound in flight a burst of such requests queues more t
 can finish. So every request is measured before anything is submitted:
 
 - per request: choices (prompts x n), top log-probs per token, and tokens (prompt tokens of every
-  choice plus its max_tokens): past a limit the caller gets 400 naming the parameter to lower,
+  choice plus its max_tokens; an echoed prompt with log-probs counts each position
+  1 + logprobs times, since the answer carries that many entries for it): past a limit the caller gets 400 naming the parameter to lower,
   since retrying the same request can never succeed;
 - in flight, over all requests: choices and tokens admitted but not finished: past a limit the
   caller gets 429 with Retry-After, since the same request succeeds once others finish.
@@ -62,11 +63,19 @@ def check_logprobs(req: Any, limits: Limits) -> None:
                           param)  # fmt: skip
 
 
+def prompt_weight(sp: SamplingParams) -> int:
+    """What one prompt position of a choice costs: 1, or 1 + top-n when its log-probs are
+    echoed (scoring: every position carries its own and the top-n, in the answer and in memory)."""
+    return 1 + sp.top_n_logprobs if sp.return_prompt_log_probs else 1
+
+
 def request_cost(prompts: list[list[int]], sps: list[SamplingParams]) -> tuple[int, int]:
-    """(choices, tokens) of a request: every choice holds its prompt and up to max_tokens."""
+    """(choices, tokens) of a request: every choice holds its prompt (x prompt_weight) and up to
+    max_tokens."""
     choices = len(prompts) * len(sps)
     max_tokens = max(sp.num_tokens_to_generate for sp in sps)
-    return choices, sum(len(p) for p in prompts) * len(sps) + choices * max_tokens
+    weight = max(prompt_weight(sp) for sp in sps)
+    return choices, sum(len(p) for p in prompts) * len(sps) * weight + choices * max_tokens
 
 
 class Ticket:
@@ -102,10 +111,13 @@ class Admission:
                               f"{lim.max_choices} per request: lower n or send fewer prompts",
                               "n")  # fmt: skip
         if tokens > lim.max_request_tokens:
-            raise bad_request(f"this request may need {tokens} tokens (prompt tokens x n + "
-                              f"choices x max_tokens), more than this server's limit of "
-                              f"{lim.max_request_tokens}: lower max_tokens or n",
-                              "max_tokens")  # fmt: skip
+            scored = prompt_weight(sps[0]) > 1
+            raise bad_request(f"this request may need {tokens} tokens (prompt tokens x n"
+                              f"{' x (1 + logprobs), echoed' if scored else ''} + choices x "
+                              f"max_tokens), more than this server's limit of "
+                              f"{lim.max_request_tokens}: lower "
+                              f"{'logprobs' if scored else 'max_tokens'} or n",
+                              "logprobs" if scored else "max_tokens")  # fmt: skip
         if (self.choices + choices > lim.max_inflight_choices
                 or self.tokens + tokens > lim.max_inflight_tokens):  # fmt: skip
             raise APIError(429, f"the server is at its limit of work in flight ({self.choices} "

@@ -4,7 +4,7 @@ Scoring clients (lm-eval's `local-completions`) send `echo: true, logprobs: k` a
 log-prob of every prompt token: the first prompt token has none (nothing precedes it), so its
 entries are None. Each top-log-probs dict holds the top k and the token itself, as in vLLM.
 `text_offset` is the character offset in the returned `text` (prompt first when echoed) at which
-each token's text begins.
+each token's text begins. A prompt is scored once for all its n choices (`engine_choices`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rollout.detokenizer import TextOffsets
+from rollout.sampling import SamplingParams
 
 Decode = Callable[[list[int]], str]
 
@@ -63,4 +64,32 @@ def completion_logprobs(
                               TextOffsets(decode, len(prompt_text)))  # fmt: skip
         for k in out:
             out[k] += part[k]
+    return out
+
+
+def engine_choices(req: Any, sps: list[SamplingParams]) -> list[SamplingParams]:
+    """The choices the engines run for each prompt. A prompt's log-probs are the same for all
+    its n choices, so they are computed once: scoring only (echo, max_tokens 0: nothing is
+    generated, every choice is the same) runs one choice, which all n repeat; echo with
+    generation runs n, the first alone asking for the prompt's log-probs (`share_prompt_scores`)."""
+    if not getattr(req, "echo", False):
+        return sps
+    if req.scores_only():
+        return sps[:1]
+    return [sps[0], *(sp.replace(return_prompt_log_probs=False) for sp in sps[1:])]
+
+
+def share_prompt_scores(records: list[Any], n: int, ran: int) -> list[Any]:
+    """The n records of each prompt from the `ran` the engines ran for it (engine_choices): the
+    first one's prompt log-probs given to the others, or repeated n times."""
+    out = []
+    for start in range(0, len(records), ran):
+        group = records[start : start + ran]
+        if ran == 1:
+            out += group * n
+            continue
+        for rec in group[1:]:
+            rec.prompt_log_probs = group[0].prompt_log_probs
+            rec.prompt_top_n_logprobs = group[0].prompt_top_n_logprobs
+        out += group
     return out
