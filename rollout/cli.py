@@ -127,17 +127,24 @@ def _add_http_limits(p: argparse.ArgumentParser) -> None:
     """What the HTTP front end admits (defaults: `Limits` and `ConnectionLimits`)."""
     for flag, kind, default, what in _HTTP_LIMITS:
         p.add_argument(flag, type=kind, default=default, help=what)
+    p.add_argument("--http-max-body", action="append", default=[], metavar="ROUTE=BYTES",
+                   help="request body cap of a route (default=BYTES: routes not named; "
+                        "past it: 413); repeatable")  # fmt: skip
 
 
 _HTTP_LIMITS = (
     ("--http-max-connections", int, 1024, "open HTTP connections (one more is answered 503)"),
     ("--http-request-timeout", float, 10.0, "seconds for a request to arrive whole"),
+    ("--http-write-idle-timeout", float, 60.0,
+     "seconds an answer may wait on a caller that reads none of it (then it is cancelled)"),
     ("--http-max-choices", int, 1024, "prompts x n of one request (past it: 400)"),
     ("--http-max-logprobs", int, 20, "top log-probs per token (past it: 400)"),
     ("--http-max-request-tokens", int, 4_000_000,
      "prompt tokens x n + choices x max_tokens of one request (past it: 400)"),
     ("--http-max-inflight-choices", int, 8192, "choices in flight, all callers (past it: 429)"),
     ("--http-max-inflight-tokens", int, 32_000_000, "tokens in flight, all callers (past it: 429)"),
+    ("--http-max-caller-share", float, 0.5,
+     "fraction of the in-flight limits one caller (client address) may hold (past it: 429)"),
 )  # fmt: skip
 
 
@@ -337,7 +344,7 @@ def _serve_http(args: argparse.Namespace, address: str, token: str | None,
     from rollout.serving.http.chat import load_chat_template, special_tokens_of
     from rollout.serving.http.server import KeepBacklog, install_log_rate_limit, uvicorn_config
 
-    work, connections = limits
+    work, connections, bodies = limits
 
     http_token = _http_token(args)
     if http_token is None and not _is_loopback(args.http_host):
@@ -358,7 +365,8 @@ def _serve_http(args: argparse.Namespace, address: str, token: str | None,
                     special_tokens=special_tokens_of(args.model) if is_dir else {},
                     http_token=http_token, logprobs_mode=args.logprobs_mode,
                     limits=work, tool_call_parser=args.tool_call_parser,
-                    enable_auto_tool_choice=args.enable_auto_tool_choice)  # fmt: skip
+                    enable_auto_tool_choice=args.enable_auto_tool_choice,
+                    body_limits=bodies)  # fmt: skip
     family = socket.AF_INET6 if ":" in args.http_host else socket.AF_INET
     # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say so; without it a
     # reused connection waits ~40 ms per request (Nagle against delayed ACKs)
@@ -391,8 +399,9 @@ def _serve_http(args: argparse.Namespace, address: str, token: str | None,
         sock.close()
 
 
-def _http_limits(args: argparse.Namespace):  # -> (Limits, ConnectionLimits)
+def _http_limits(args: argparse.Namespace):  # -> (Limits, ConnectionLimits, body caps)
     """The HTTP limits the flags give; the connection cap leaves descriptors in reserve."""
+    from rollout.serving.http.body_limit import parse_body_limits
     from rollout.serving.http.limits import Limits
     from rollout.serving.http.server import ConnectionLimits, connection_cap, raise_fd_limit
 
@@ -402,13 +411,18 @@ def _http_limits(args: argparse.Namespace):  # -> (Limits, ConnectionLimits)
         print(f"WARNING: --http-max-connections {args.http_max_connections} lowered to {cap}: the "
               f"open-file limit is {fd_limit}", file=sys.stderr, flush=True)  # fmt: skip
     try:
-        return Limits(
+        work = Limits(
             max_choices=args.http_max_choices,
             max_logprobs=args.http_max_logprobs,
             max_request_tokens=args.http_max_request_tokens,
             max_inflight_choices=args.http_max_inflight_choices,
             max_inflight_tokens=args.http_max_inflight_tokens,
-        ), ConnectionLimits(max_connections=cap, request_timeout_s=args.http_request_timeout)
+            max_caller_share=args.http_max_caller_share,
+        )
+        connections = ConnectionLimits(max_connections=cap,
+                                       request_timeout_s=args.http_request_timeout,
+                                       write_idle_s=args.http_write_idle_timeout)  # fmt: skip
+        return work, connections, parse_body_limits(args.http_max_body)
     except ValueError as e:
         raise SystemExit(f"rollout serve: HTTP limits: {e}") from None
 

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -30,9 +32,10 @@ from rollout.sampling import VLLM_LOGPROBS_MODES, SamplingParams
 from rollout.serving.auth import tokens_match
 from rollout.serving.client import ClientStopped, InferenceClient, Partial, RequestFailed
 from rollout.serving.http import tool_choice
+from rollout.serving.http.body_limit import BodyLimit
 from rollout.serving.http.chat import prepare_messages, render_chat
 from rollout.serving.http.generate_route import generate_router
-from rollout.serving.http.limits import Admission, Limits, Ticket, check_logprobs
+from rollout.serving.http.limits import Admission, Limits, Ticket, caller_of, check_logprobs
 from rollout.serving.http.metrics import HTTPMetrics, route_label
 from rollout.serving.http.schemas import (
     APIError,
@@ -76,6 +79,15 @@ class Backend:
         self.limits = limits
         self.admission = Admission(limits)
         self.created = int(time.time())
+        # tokenizing, detokenizing and serializing big bodies: off the event loop, so /health
+        # and every other caller are answered meanwhile; one thread, as tokenizers need not be
+        # safe to share
+        self.text_pool = ThreadPoolExecutor(1, thread_name_prefix="http-text")
+
+    async def off_loop(self, fn: Callable, *args: Any) -> Any:
+        """`fn(*args)` on the text thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.text_pool, functools.partial(fn, *args))
 
     def text(self, ids: list[int]) -> str:
         return detokenize_with(self.tokenizer, ids) or ""
@@ -105,13 +117,14 @@ def build_app(
     limits: Limits | None = None,
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
+    body_limits: dict[str, int] | None = None,
 ) -> FastAPI:
     """The app for the coordinator at `address` (joined with its `auth_token`). `http_token`:
     the bearer token every route but /health requires (None: no HTTP auth).
     `logprobs_mode`: vLLM's spelling, for requests that name none. `limits`: the work it admits
     (default: `Limits()`). `tool_call_parser` (a tool_parsers.PARSERS name) with
     `enable_auto_tool_choice` parses tool calls out of chat replies, as vLLM's flags of the
-    same names."""
+    same names. `body_limits`: request body caps by route (body_limit.BODY_LIMITS' keys)."""
     if logprobs_mode not in VLLM_LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode must be one of {sorted(VLLM_LOGPROBS_MODES)}, got {logprobs_mode!r}")  # fmt: skip
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
@@ -130,6 +143,7 @@ def build_app(
             yield
         finally:
             be.client.stop()
+            be.text_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="rollout", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.backend = be
@@ -158,6 +172,8 @@ def build_app(
     async def _internal(request: Request, e: Exception) -> Response:
         log.exception("internal error on %s", request.url.path)
         return _error(APIError(500, f"internal error: {type(e).__name__}", "server_error"))
+
+    app.add_middleware(BodyLimit, limits=body_limits or {})  # inside auth and metrics
 
     @app.middleware("http")
     async def _auth_and_metrics(request: Request, call_next: Callable) -> Response:
@@ -192,14 +208,15 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
         refuse_lone_surrogates(req)
-        prompts = _completion_prompts(be, req)
+        prompts = await be.off_loop(_completion_prompts, be, req)
         return await _generate(be, req, request, prompts, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request) -> Response:
         refuse_lone_surrogates(req)
         tool_choice.parser_for(be, req)  # 400 before anything runs
-        return await _generate(be, req, request, [_chat_prompt(be, req)], chat=True)
+        prompt = await be.off_loop(_chat_prompt, be, req)
+        return await _generate(be, req, request, [prompt], chat=True)
 
     return app
 
@@ -276,7 +293,7 @@ async def _generate(be: Backend, req: Any, request: Request, prompts: list[list[
                             f"{be.model_name!r})", param="model", code="model_not_found")  # fmt: skip
     sps = sampling_params(req, be.logprobs_mode)
     check_logprobs(req, be.limits)
-    ticket = be.admission.admit(prompts, sps)
+    ticket = be.admission.admit(prompts, sps, caller_of(request))
     streaming = False
     try:
         await _check_wait(be, req, request)
@@ -292,11 +309,16 @@ async def _generate(be: Backend, req: Any, request: Request, prompts: list[list[
     finally:
         if not streaming:
             ticket.release()
-    choices = [_choice(be, req, i, prompts[i // len(sps)], rec, chat)
-               for i, rec in enumerate(records)]  # fmt: skip
     generated = [0 if _scores_only(req) else len(r.generated_tokens) for r in records]
     usage = _usage(prompts, len(sps), generated)
     be.metrics.tokens(usage["prompt_tokens"], usage["completion_tokens"])
+    return await be.off_loop(_answer, be, req, prompts, len(sps), records, chat, rid, usage)
+
+
+def _answer(be: Backend, req: Any, prompts: list[list[int]], n: int, records: list, chat: bool,
+            rid: str, usage: dict) -> Response:  # fmt: skip
+    """The unstreamed answer, decoded and serialized (on the text thread: it can be big)."""
+    choices = [_choice(be, req, i, prompts[i // n], rec, chat) for i, rec in enumerate(records)]
     return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
                          "created": int(time.time()), "model": be.model_name,
                          "choices": choices, "usage": usage})  # fmt: skip
@@ -437,6 +459,8 @@ async def _stream(be: Backend, req: Any, prompts: list[list[int]], sps: list[Sam
                     await queue.put((index, item))
         except Exception as e:
             await queue.put((index, e))
+        finally:  # the engines are done with this choice (or it was aborted): its share is free
+            ticket.release_choice(index)
         await queue.put((index, None))
 
     tasks = [asyncio.create_task(pump(i, p, sp)) for i, (p, sp) in enumerate(jobs)]

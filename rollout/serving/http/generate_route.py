@@ -18,9 +18,11 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.sampling import VLLM_LOGPROBS_MODES, SamplingParams
+from rollout.serving.http.limits import caller_of
 from rollout.serving.http.schemas import APIError, bad_request, finish_reason, unstated_extras
 
 TEXT_ONLY = frozenset({"skip_special_tokens", "spaces_between_special_tokens", "detokenize"})
@@ -134,7 +136,7 @@ def generate_router(check_wait: Callable, submit: Callable, wait_or_abort: Calla
     router = APIRouter()
 
     @router.post("/inference/v1/generate")
-    async def generate(body: GenerateRequest, request: Request) -> dict:
+    async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
         be = request.app.state.backend
         if body.model and body.model != be.model_name:
             raise APIError(404, f"model {body.model!r} does not exist (this server serves "
@@ -147,25 +149,25 @@ def generate_router(check_wait: Callable, submit: Callable, wait_or_abort: Calla
         if (top_n or 0) > be.limits.max_logprobs:
             raise bad_request(f"logprobs must be <= {be.limits.max_logprobs} on this server, "
                               f"got {top_n}", "logprobs")  # fmt: skip
-        ticket = be.admission.admit([body.token_ids], sps)  # the limits /v1 requests obey
+        ticket = be.admission.admit([body.token_ids], sps, caller_of(request))  # as on /v1
         try:
             await check_wait(be, _Wait(), request)
             records = await wait_or_abort(be, submit(be, [body.token_ids], sps), request)
         finally:
             ticket.release()
-        return _response(be, body, records, top_n)
+        return await be.off_loop(_response, be, body, records, top_n)  # big: off the loop
 
     return router
 
 
-def _response(be: Any, body: GenerateRequest, records: list, top_n: int | None) -> dict:
+def _response(be: Any, body: GenerateRequest, records: list, top_n: int | None) -> JSONResponse:
     completion = sum(len(r.generated_tokens) for r in records)
     be.metrics.tokens(len(body.token_ids), completion)
-    return {"request_id": body.request_id or f"gen-{uuid.uuid4().hex}",
+    return JSONResponse({"request_id": body.request_id or f"gen-{uuid.uuid4().hex}",
             "choices": [_choice(i, r, top_n) for i, r in enumerate(records)],
             "prompt_token_ids": body.token_ids, "prompt_logprobs": None,
             "usage": {"prompt_tokens": len(body.token_ids), "completion_tokens": completion,
-                      "total_tokens": len(body.token_ids) + completion}}  # fmt: skip
+                      "total_tokens": len(body.token_ids) + completion}})  # fmt: skip
 
 
 class _Wait:

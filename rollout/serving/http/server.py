@@ -16,6 +16,9 @@ restart needs pipes). So the server:
   (`KeepBacklog`), so bursts of honest callers still queue rather than being dropped;
 - gives each request `request_timeout_s` to arrive whole (headers and body) from the moment its
   connection opened or its previous response ended; a connection past it is closed (408);
+- gives a response `write_idle_s` to make progress once the caller stops reading (the transport's
+  buffer full, writing paused): past it the connection is aborted, which cancels the request
+  (a stream's engine requests are aborted) instead of holding its socket and answer forever;
 - rate-limits repeated log lines, so a flood of bad connections cannot flood the log.
 """
 
@@ -53,10 +56,13 @@ class ConnectionLimits:
     max_connections: int = 1024
     request_timeout_s: float = 10.0  # to receive a whole request (headers and body)
     keep_alive_s: int = 5  # an idle connection between requests
+    write_idle_s: float = 60.0  # a response whose caller reads none of it for this long
 
     def __post_init__(self) -> None:
-        if self.max_connections < 1 or self.request_timeout_s <= 0 or self.keep_alive_s < 1:
-            raise ValueError("max_connections, request_timeout_s and keep_alive_s must be > 0")
+        if (self.max_connections < 1 or self.request_timeout_s <= 0 or self.keep_alive_s < 1
+                or self.write_idle_s <= 0):  # fmt: skip
+            raise ValueError("max_connections, request_timeout_s, keep_alive_s and write_idle_s "
+                             "must be > 0")  # fmt: skip
 
 
 def raise_fd_limit() -> int:
@@ -97,6 +103,7 @@ class GuardedH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self._limits = limits
         self._deadline: asyncio.TimerHandle | None = None
+        self._write_idle: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -109,7 +116,29 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._write_idle is not None:
+            self._write_idle.cancel()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_idle is None:
+            self._write_idle = self.loop.call_later(self._limits.write_idle_s, self._unread)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._write_idle is not None:
+            self._write_idle.cancel()
+            self._write_idle = None
+
+    def _unread(self) -> None:
+        """The caller read nothing for write_idle_s: drop the connection and what it buffered
+        (close() would wait for the buffer to drain, which it never does). uvicorn then sees a
+        disconnect: the app's request is cancelled, a stream's engine requests aborted."""
+        self._write_idle = None
+        log.warning("aborted a connection whose caller read nothing for %gs",
+                    self._limits.write_idle_s)  # fmt: skip
+        self.transport.abort()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from rollout.serving.http.chat import prepare_messages, render_chat
@@ -55,11 +56,15 @@ def _check(be: Any, body: BaseModel) -> None:
 
 
 @router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     be = _backend(request)
     _check(be, body)
     if (body.prompt is None) == (not body.messages):
         raise bad_request("give exactly one of prompt and messages", "prompt")
+    return await be.off_loop(_tokenize, be, body)  # a big prompt must not hold the event loop
+
+
+def _tokenize(be: Any, body: TokenizeRequest) -> JSONResponse:
     if body.messages:
         if be.chat_template is None:
             raise bad_request("this server has no chat template", "messages")
@@ -74,20 +79,24 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
         add = True if body.add_special_tokens is None else body.add_special_tokens
         ids = be.tokenize(body.prompt, bos=add)
     strs = [be.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
-    return {"count": len(ids), "max_model_len": None, "tokens": ids,
-            "token_strs": strs if body.return_token_strs else None}  # fmt: skip
+    return JSONResponse({"count": len(ids), "max_model_len": None, "tokens": ids,
+                         "token_strs": strs if body.return_token_strs else None})  # fmt: skip
 
 
 @router.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
     be = _backend(request)
     _check(be, body)
     if be.tokenizer is None:
         raise bad_request("this model has no tokenizer", "tokens")
+    return await be.off_loop(_detokenize, be, body.tokens)
+
+
+def _detokenize(be: Any, tokens: list[int]) -> JSONResponse:
     vocab = be.tokenizer.vocab_size
-    if bad := [t for t in body.tokens if not 0 <= t < vocab]:
+    if bad := [t for t in tokens if not 0 <= t < vocab]:
         raise bad_request(f"token id {bad[0]} is out of range for vocab_size {vocab}", "tokens")
-    return {"prompt": be.text(body.tokens)}
+    return JSONResponse({"prompt": be.text(tokens)})
 
 
 @router.get("/tokenizer_info")
