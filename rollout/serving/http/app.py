@@ -51,6 +51,7 @@ from rollout.serving.http.scoring import (
     share_prompt_scores,
     token_logprobs,
 )
+from rollout.serving.http.stream_text import StreamedText
 from rollout.serving.http.text_checks import refuse_lone_surrogates
 from rollout.serving.http.token_routes import router as token_router
 from rollout.serving.http.tool_parsers import PARSERS, ToolStream
@@ -465,14 +466,14 @@ async def _stream(be: Backend, req: Any, prompts: list[list[int]], sps: list[Sam
 
     tasks = [asyncio.create_task(pump(i, p, sp)) for i, (p, sp) in enumerate(jobs)]
     sent_tokens = [0] * len(jobs)
-    sent_text = [""] * len(jobs)
-    streamed: list[list[int]] = [[] for _ in jobs]
     offsets = [TextOffsets(be.text) for _ in jobs]  # each choice's text, as it streams
     want_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
     live = len(jobs)
     hold = max((len(w) for w in sps[0].stop_words), default=1) - 1  # as vLLM holds back
+    texts = [StreamedText(be.text, hold) for _ in jobs]  # decoded once per token
     parser = tool_choice.parser_for(be, req) if chat else None
     tool_streams = [ToolStream(parser) for _ in jobs] if parser else None
+    replies = [StreamedText(tool_choice.reply_decoder(be), hold) for _ in jobs] if parser else []
     calls: list[dict] = []
     try:
         if chat:
@@ -497,15 +498,11 @@ async def _stream(be: Backend, req: Any, prompts: list[list[int]], sps: list[Sam
                     None,
                 )
                 tops = _partial_tops(item, len(tokens))
-                streamed[i].extend(tokens)
-                # a trailing U+FFFD may be an incomplete UTF-8 sequence: held until it resolves
-                stable = be.text(streamed[i]).rstrip("\ufffd")
-                stable = stable[: max(0, len(stable) - hold)]  # may start a stop word
-                delta = stable[len(sent_text[i]) :] if stable.startswith(sent_text[i]) else ""
-                sent_text[i] += delta
+                texts[i].add(tokens)  # an incomplete UTF-8 character is held until it resolves
+                delta = texts[i].delta()  # the end that may start a stop word is held too
                 if tool_streams:  # content until a call may have begun
-                    text = tool_choice.reply_text(be, None, streamed[i]).rstrip("\ufffd")
-                    delta = tool_streams[i].content(text[: max(0, len(text) - hold)])
+                    replies[i].add(tokens)
+                    delta = tool_streams[i].content(replies[i].stable())
             else:  # the final record: whatever the partials did not carry
                 rec = item.merge()
                 if (err := _failure(rec)) is not None:
@@ -517,12 +514,11 @@ async def _stream(be: Backend, req: Any, prompts: list[list[int]], sps: list[Sam
                 versions = list(rec.generated_weight_versions[n:])
                 tops = _tops(rec, len(tokens), n)
                 reason = finish_reason(rec.stop_reason)
-                full = (
-                    rec.generated_text
-                    if rec.generated_text is not None
-                    else be.text(list(rec.generated_tokens))
-                )
-                delta = full[len(sent_text[i]) :] if full.startswith(sent_text[i]) else ""
+                full = texts[i].finish(tokens)
+                if rec.generated_text is not None:  # cut at a stop string
+                    full = rec.generated_text
+                sent = texts[i].sent
+                delta = full[len(sent) :] if full.startswith(sent) else ""
                 if tool_streams:  # the rest of the content, then the calls
                     single = req.parallel_tool_calls is False
                     text = tool_choice.reply_text(be, rec)

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from rollout.serving.http.schemas import bad_request
@@ -52,6 +53,13 @@ def reply_text(be: Any, rec: Any, ids: list[int] | None = None) -> str:
         if rec.stop_reason in FINAL_STOP_REASONS and ids:
             ids = ids[:-1]
     return be.tokenizer.decode(ids, skip_special_tokens=False) if be.tokenizer else ""
+
+
+def reply_decoder(be: Any) -> Callable[[list[int]], str]:
+    """The decode `reply_text` uses (special tokens kept), for incremental streaming."""
+    if be.tokenizer is None:
+        return lambda ids: ""
+    return lambda ids: be.tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def message(be: Any, req: Any, rec: Any, text: str, reason: str | None) -> tuple[dict, str | None]:
