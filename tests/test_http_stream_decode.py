@@ -69,7 +69,6 @@ def test_streams_decode_each_token_a_bounded_number_of_times(route, extra):
         assert streamed == whole and len(whole) > length // 3
         per_token.append(decoded / length)
     # incremental: ~4 ids per token (~9 with the tool parser's decode), whatever the length
-    # (re-decoding all of it at
-    # every 7-token partial was ~length / 14 per token: 21, then 86)
+    # (re-decoding all of it at every 7-token partial was ~length / 14: 23, then 88)
     assert max(per_token) < 16, per_token
     assert per_token[1] < 1.2 * per_token[0], per_token
