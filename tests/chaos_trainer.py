@@ -3,6 +3,10 @@ it (SIGSTOP) and thaw it. A GRPO loop on a RolloutManager at dp=2 (real engine p
 step collects groups, checks every sample against the versions this trainer pushed, takes an
 optimizer step and pushes the weights, while the step's fault is injected:
 
+- unread: an HTTP front end on the manager's coordinator takes streams whose sockets are never
+  read (issue 31, defect 1); the loop collects as usual, the streams' budget comes back once the
+  engines are done (an honest caller is admitted) and their connections are aborted at the
+  write-idle timeout;
 - ipc: a local attacker rewrites the staged payload and the trainer's buckets between the
   trainer's publishing and the engines' reading (finding 1);
 - aborts: it pre-writes the abort key of the next 3,000 generations (finding 2);
@@ -18,16 +22,21 @@ Every check that fails raises, and the process exits non-zero with the traceback
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 
+import httpx
 import torch
+import uvicorn
 from reference import greedy
 from safetensors.torch import save_file
 from test_weight_path_trust import ATTACKER
@@ -43,6 +52,9 @@ from rollout.config.builders import (
 from rollout.engine.interface import EngineLost
 from rollout.rl.manager import RolloutManager
 from rollout.sampling import SamplingParams
+from rollout.serving.http.app import build_app
+from rollout.serving.http.limits import Limits
+from rollout.serving.http.server import ConnectionLimits, uvicorn_config
 from rollout.weights.broadcast import WeightSyncError
 from rollout.weights.state import state_dict_checksum
 
@@ -72,7 +84,8 @@ class Trainer:
         self.versions: dict[int, dict[str, torch.Tensor]] = {}  # every version pushed
         self.counts = {"applied": 0, "refused": 0, "samples": 0, "tokens_checked": 0,
                        "greedy_checked": 0, "coordinator_errors": 0, "managers": 0,
-                       "restarted_engines": 0, "attacker_writes": 0, "rejoins": 0}  # fmt: skip
+                       "restarted_engines": 0, "attacker_writes": 0, "rejoins": 0,
+                       "unread_aborted": 0, "honest_admitted": 0}  # fmt: skip
         self.refusals: list[str] = []
         self.evil = f"/tmp/rollout-chaos-zeros-{os.getpid()}.safetensors"
         save_file({k: torch.zeros_like(v) for k, v in self.model.state_dict().items()}, self.evil)
@@ -189,7 +202,13 @@ class Trainer:
         if fault == "freeze":
             emit("freeze", pid=os.getpid())
             sys.stdin.readline()  # the test froze this process and thawed it
-        samples = self.collect(m)
+        if fault == "unread":
+            with UnreadStreams(m) as unread:
+                samples = self.collect(m)
+                self.counts["honest_admitted"] += unread.honest_admitted()
+                self.counts["unread_aborted"] += unread.aborted()
+        else:
+            samples = self.collect(m)
         if fault == "freeze":
             self.counts["rejoins"] += getattr(m.engine.cluster.client, "rejoins", 0)
         self.check_samples(samples)
@@ -296,6 +315,92 @@ class Trainer:
         self.manager.close()
         os.unlink(self.evil)
         emit("done", counts=self.counts, refusals=self.refusals, versions=sorted(self.versions))
+
+
+class UnreadStreams:
+    """`rollout serve`'s HTTP app on `m`'s coordinator (uvicorn in a thread, 2 s write-idle
+    timeout, a 16-choice budget) and a stream of 16 choices, whose socket is never read, taking
+    all of that budget."""
+
+    def __init__(self, m: RolloutManager) -> None:
+        cluster = m.engine.cluster
+        app = build_app(cluster.address, auth_token=cluster.auth_token, tokenizer=self.tokenizer(),
+                        limits=Limits(max_choices=16, max_inflight_choices=16, max_logprobs=20,
+                                      max_request_tokens=100_000, max_inflight_tokens=100_000))  # fmt: skip
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        config = uvicorn_config(app, ConnectionLimits(write_idle_s=2.0), log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]})
+        self.was_aborted = threading.Event()
+        self.watch = _Signal(self.was_aborted, "aborted a connection whose caller read nothing")
+        logging.getLogger("rollout.serving.http.server").addHandler(self.watch)
+
+    @staticmethod
+    def tokenizer():
+        from rollout.tokenizers import ByteTokenizer
+
+        return ByteTokenizer()
+
+    def __enter__(self) -> UnreadStreams:
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the HTTP front end never started"
+            time.sleep(0.05)
+        body = json.dumps({"prompt": "a", "n": 16, "max_tokens": 800, "logprobs": 20,
+                           "ignore_eos": True, "stream": True}).encode()  # fmt: skip
+        self.stream = socket.socket()
+        self.stream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+        self.stream.connect(self.sock.getsockname())
+        self.stream.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n"
+                            b"Content-Type: application/json\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        return self
+
+    def honest_admitted(self) -> int:
+        """1 once another caller's request is answered 200 (429 while the stream's choices are
+        still being generated: they hold the budget until the engines are done)."""
+        transport = httpx.HTTPTransport(local_address="127.0.0.2")
+        with httpx.Client(base_url=self.url, transport=transport, timeout=60) as http:
+            deadline = time.monotonic() + 120
+            while (r := http.post("/v1/completions", json={"prompt": "b", "max_tokens": 4})
+                   ).status_code == 429:  # fmt: skip
+                assert time.monotonic() < deadline, "the unread stream's budget never came back"
+                time.sleep(0.1)
+        assert r.status_code == 200, r.text
+        return 1
+
+    def aborted(self) -> int:
+        """1 once the unread stream's connection was aborted, having sent no [DONE]."""
+        assert self.was_aborted.wait(60), "the unread stream was never aborted"
+        self.stream.settimeout(30)
+        data = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := self.stream.recv(1 << 16):
+                data += chunk
+        assert data.startswith(b"HTTP/1.1 200") and b"[DONE]" not in data, data[-200:]
+        return 1
+
+    def __exit__(self, *exc) -> None:
+        self.stream.close()
+        self.server.should_exit = True
+        self.thread.join(60)
+        self.sock.close()
+        logging.getLogger("rollout.serving.http.server").removeHandler(self.watch)
+
+
+class _Signal(logging.Handler):
+    """Sets `event` when a record containing `text` is logged."""
+
+    def __init__(self, event: threading.Event, text: str) -> None:
+        super().__init__()
+        self.event, self.text = event, text
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.event.set()
 
 
 if __name__ == "__main__":

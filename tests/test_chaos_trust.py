@@ -1,6 +1,7 @@
 """Chaos on the trust boundaries (issue 25, "Done when"): a GRPO loop (tests/chaos_trainer.py, in
 a process of its own) on a RolloutManager with two engine processes, while a local attacker
 rewrites an update's payload between the trainer's write and the engines' read (finding 1),
+an HTTP front end takes streams that are never read (issue 31, defect 1),
 pre-writes the abort keys of the next 3,000 generations (2) and points the engines at its own
 process group (13); engine 1 is SIGKILLed and restarted by the supervisor (14); the trainer is
 frozen past the coordinator's client timeout (15); and the embedded coordinator is SIGKILLed during
@@ -32,7 +33,7 @@ from proc_io import stop_all
 
 pytestmark = pytest.mark.heavy  # .ci/run runs it; the default suite stays ~10 minutes
 
-SCHEDULE = ["ipc", "aborts", "group", "engine", "freeze", "coordinator", "plain"]
+SCHEDULE = ["ipc", "unread", "aborts", "group", "engine", "freeze", "coordinator", "plain"]
 
 
 def _run_loop(client_timeout_s: float, freeze_s: float) -> dict:
@@ -73,6 +74,9 @@ def _check(done: dict) -> None:
     assert c["managers"] == 2 and c["coordinator_errors"] == 1, done
     assert c["restarted_engines"] == 1 and c["attacker_writes"] == 3000, done
     assert c["rejoins"] >= 1, done  # the coordinator forgot the frozen trainer; it joined again
+    # the unread streams (issue 31): their budget came back once the engines were done, and
+    # their connection was aborted at the write-idle timeout
+    assert c["honest_admitted"] == 1 and c["unread_aborted"] == 1, done
     # every sample of every batch (2 groups of 4 per step but the coordinator's) was checked
     assert c["samples"] == 8 * (len(SCHEDULE) - 1) and c["tokens_checked"] == 6 * c["samples"]
     # both engines decoded the reference after every update (4 samples each) and the restart
