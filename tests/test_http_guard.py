@@ -32,11 +32,12 @@ pytestmark = pytest.mark.timeout(180)
 
 MAX_CONNECTIONS = 24
 REQUEST_TIMEOUT_S = 2.0
+# one caller here (the caller share at 1): these tests are about the server-wide limits
 FLAGS = ("--http-max-connections", str(MAX_CONNECTIONS),
          "--http-request-timeout", str(REQUEST_TIMEOUT_S),
          "--http-max-choices", "8", "--http-max-logprobs", "5",
          "--http-max-request-tokens", "4000", "--http-max-inflight-choices", "8",
-         "--http-max-inflight-tokens", "8000")  # fmt: skip
+         "--http-max-inflight-tokens", "8000", "--http-max-caller-share", "1")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
