@@ -328,6 +328,9 @@ class UnreadStreams:
                         limits=Limits(max_choices=16, max_inflight_choices=16, max_logprobs=20,
                                       max_request_tokens=100_000, max_inflight_tokens=100_000))  # fmt: skip
         self.sock = socket.socket()
+        # accepted sockets inherit a small send buffer: the kernel holds little of an unread
+        # answer, so uvicorn's writes pause within the short replies this engine allows
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(64)
         config = uvicorn_config(app, ConnectionLimits(write_idle_s=2.0), log_level="warning")
@@ -350,7 +353,7 @@ class UnreadStreams:
         while not self.server.started:
             assert time.monotonic() < deadline, "the HTTP front end never started"
             time.sleep(0.05)
-        body = json.dumps({"prompt": "a", "n": 16, "max_tokens": 800, "logprobs": 20,
+        body = json.dumps({"prompt": "a", "n": 16, "max_tokens": 100, "logprobs": 20,
                            "ignore_eos": True, "stream": True}).encode()  # fmt: skip
         self.stream = socket.socket()
         self.stream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
