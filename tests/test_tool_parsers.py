@@ -143,3 +143,24 @@ def test_degenerate_tool_call_is_the_reply_text_unstreamed_and_streamed():
     content = "".join(c[0]["delta"].get("content") or "" for c in chunks if c)
     assert content == DEEP
     assert [c[0]["finish_reason"] for c in chunks if c][-1] == "length"
+
+
+def test_a_fault_midway_still_ends_the_stream(monkeypatch):
+    import asyncio
+
+    from http_inproc import asgi_client
+
+    from rollout.serving.http import tool_choice
+
+    def broken(*args, **kw):
+        raise RuntimeError("a bug in building the last chunk")
+
+    monkeypatch.setattr(tool_choice, "reply_text", broken)
+
+    async def go():
+        async with asgi_client(_tool_app()) as http:
+            return await http.post("/v1/chat/completions", json={**CHAT, "stream": True})
+
+    r = asyncio.run(go())
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "server_error"

@@ -303,7 +303,7 @@ async def _generate(be: Backend, req: Any, request: Request, prompts: list[list[
             stream = _stream(be, req, prompts, sps, chat, rid, ticket)
             ticket.release_with(stream)  # a stream that never starts never reaches its finally
             streaming = True
-            return StreamingResponse(stream, media_type="text/event-stream")
+            return StreamingResponse(_ended(stream), media_type="text/event-stream")
         ran = engine_choices(req, sps)  # a prompt's log-probs once for its n choices
         records = await _wait_or_abort(be, _submit(be, prompts, ran), request)
         records = share_prompt_scores(records, len(sps), len(ran))
@@ -434,6 +434,19 @@ def _chat_logprobs(be: Backend, tokens: list[int], lps: list[float], tops: list[
 
 def _sse(obj: Any) -> bytes:
     return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+async def _ended(stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """`stream`, ended by an error event and `data: [DONE]` should it fail midway: a fault in
+    building one chunk must not leave the caller waiting for an end that never comes."""
+    async with contextlib.aclosing(stream):
+        try:
+            async for chunk in stream:
+                yield chunk
+        except Exception as e:
+            log.exception("a stream failed midway")
+            yield _sse(APIError(500, f"internal error: {type(e).__name__}", "server_error").body())
+            yield b"data: [DONE]\n\n"
 
 
 def _partial_tops(item: Partial, n: int) -> list[dict]:
