@@ -194,10 +194,13 @@ class EngineWorker:
             self.suspended = None
 
     def _check_committed_version(self) -> None:
+        """Stale only when behind: an engine newer than the committed version (restarted from
+        the snapshot of an update still being committed, or shown a replayed old value) is
+        not, and restarting it would only load the same weights again."""
         if self.sync is None:
             return
         committed = self.sync.committed_version()
-        if committed is not None and committed != self.weight_version:
+        if committed is not None and committed > self.weight_version:
             raise StaleWeights(
                 f"engine rank {self.rank} holds weight version {self.weight_version}, the "
                 f"trainer committed {committed}: it must restart from the current weights"
