@@ -60,6 +60,7 @@ from rollout.serving.auth import resolve_token
 from rollout.serving.curve import connect_dealer, resolve_curve
 from rollout.serving.gc_tuning import freeze_startup_heap
 from rollout.serving.replies import FRAME_OVERHEAD, frame_bounds
+from rollout.serving.stall import stalled
 
 log = logging.getLogger(__name__)
 
@@ -627,12 +628,23 @@ class InferenceClient:
     async def _heartbeat_loop(self) -> None:
         hb = encode(Headers.HEARTBEAT, {})
         while True:
+            due = time.monotonic() + self.heartbeat_s
             await asyncio.sleep(self.heartbeat_s)  # a timer, not a poll: receives never wait on it
-            if time.monotonic() - self._last_recv > self.coordinator_timeout:
+            now = time.monotonic()
+            if self._coordinator_lost(now, now - due):
                 self._fail_all(ClientStopped(f"coordinator at {self.address} stopped answering"))
             if self._rejoin is None:  # a heartbeat is how a forgotten client learns it
                 with contextlib.suppress(zmq.ZMQError):
                     self._send(hb)
+
+    def _coordinator_lost(self, now: float, late_s: float) -> bool:
+        """The coordinator has been silent past `coordinator_timeout`, this client's own stalls
+        not counted (rollout.serving.stall): a client that was paused gives it a full timeout
+        from now, and its heartbeat makes a coordinator that forgot it say so (it then joins
+        again and its requests are replayed) instead of failing every request."""
+        if stalled(late_s, self.coordinator_timeout):
+            self._last_recv = max(self._last_recv, now)
+        return now - self._last_recv > self.coordinator_timeout
 
     # ---- teardown -----------------------------------------------------------------------
 

@@ -65,6 +65,7 @@ from rollout.serving.model_identity import model_identity
 from rollout.serving.processes import exit_on_signal, spawn_child
 from rollout.serving.replies import ROW_OVERHEAD, failed_record, frame_bounds, record_bytes
 from rollout.serving.resume import resume_record, resume_routing
+from rollout.serving.stall import stalled
 from rollout.tokenizers import tokenize_with
 from rollout.weights.engine_sync import EngineWeightSync
 from rollout.weights.trust import weight_key
@@ -460,7 +461,7 @@ class EngineWorker:
         now = time.monotonic()
         if now < self._next_hb:
             return
-        if now - self._next_hb > self.coordinator_timeout_s / 2:
+        if stalled(now - self._next_hb, self.coordinator_timeout_s):
             # This process did not run (stopped, or one very long step): the silence is ours,
             # so give the coordinator a full timeout to answer before presuming it gone.
             self._last_recv = now
