@@ -356,7 +356,7 @@ class DataParallelInferenceCoordinator:
         rank, capacity, version, token, block_size, model, version_is_label = fields
         if not self._auth_ok(identity, Headers.ENGINE_REGISTER, token):
             return
-        misfit = refusal(model, self.model)
+        misfit = refusal(model, self.model, self.weights_managed)
         if misfit is not None:
             self.counters["engines_refused_model"] += 1
             log.warning("engine rank %d refused: %s", rank, misfit)
