@@ -345,7 +345,7 @@ class InferenceClient:
                 return
             self._last_recv = time.monotonic()
             try:
-                header, fields = decode(frame)
+                header, fields = decode(frame, max(self.max_frame_bytes, MAX_FRAME_BYTES))
             except ProtocolError as e:
                 log.warning("client dropped malformed frame: %s", e)
                 continue

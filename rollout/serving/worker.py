@@ -63,7 +63,13 @@ from rollout.serving.curve import connect_dealer
 from rollout.serving.gc_tuning import freeze_startup_heap
 from rollout.serving.model_identity import model_identity
 from rollout.serving.processes import exit_on_signal, spawn_child
-from rollout.serving.replies import ROW_OVERHEAD, failed_record, frame_bounds, record_bytes
+from rollout.serving.replies import (
+    ROW_OVERHEAD,
+    failed_record,
+    frame_bounds,
+    record_bytes,
+    routed_record_bound,
+)
 from rollout.serving.resume import resume_record, resume_routing
 from rollout.serving.stall import stalled
 from rollout.tokenizers import tokenize_with
@@ -250,7 +256,7 @@ class EngineWorker:
                 return
             self._last_recv = time.monotonic()
             try:
-                header, fields = decode(frame)
+                header, fields = decode(frame, max(self.max_frame_bytes, MAX_FRAME_BYTES))
             except ProtocolError as e:
                 log.warning("engine rank %d dropped malformed frame: %s", self.rank, e)
                 continue
@@ -311,11 +317,33 @@ class EngineWorker:
                     return
                 self.engine.add_request(rid, record=record)
             else:
+                self._check_routed_size(tokens, sp)
                 forwarded = self._forwarded_hashes(tokens, hashes)
                 self.engine.add_request(rid, tokens, sp, precomputed_block_hashes=forwarded)
             self.active.add(rid)
         except (ValueError, ProtocolError) as e:
             self._send_replies([failed_record(rid, e)])
+
+    def _check_routed_size(self, prompt: Any, sp: SamplingParams) -> None:
+        """Refuse now (ValueError) a routing-replay request whose record could pass the frame
+        limit: it would otherwise fail only after its whole generation."""
+        routing = getattr(self.engine, "routing", None)
+        if not sp.return_routed_experts or routing is None:
+            return
+        row = routing.layers * routing.k * torch.empty(0, dtype=routing.dtype).element_size()
+        # a text prompt has at most one token a byte (plus BOS)
+        n = len(prompt.encode()) + 1 if isinstance(prompt, str) else len(prompt)
+        n += sp.num_tokens_to_generate
+        cap = getattr(getattr(self.engine, "config", None), "max_sequence_length", None)
+        n = min(n, cap) if isinstance(cap, int) else n
+        need = routed_record_bound(n, row, sp.top_n_logprobs)
+        if need > self.max_frame_bytes:
+            raise ValueError(
+                f"routing replay of up to {n} tokens ({row} bytes of experts a token) needs a "
+                f"reply of up to {need} bytes, over the coordinator's frame limit "
+                f"(max_frame_bytes={self.max_frame_bytes}): ask fewer tokens, or start the "
+                f"coordinator with max_frame_bytes >= {need}"
+            )
 
     def _forwarded_hashes(self, tokens: Any, packed: bytes | None) -> list[int] | None:
         """The coordinator's block hashes of a token prompt (hashed once, there), when they were
