@@ -400,6 +400,26 @@ def _frozen_client(address: str, token: str, conn, coordinator_timeout: float = 
     asyncio.run(main())
 
 
+def _paused_client(address: str, token: str, conn) -> None:
+    """Child process (tests/test_chaos_trust.py): four requests in flight at the default
+    timeouts, word to the parent (which pauses this process), then their tokens, a new
+    request's and how often it joined again."""
+
+    async def main() -> None:
+        client = await InferenceClient(address, auth_token=token).start()
+        sp = SamplingParams(num_tokens_to_generate=1000)  # still running when it is forgotten
+        pending = [client.add_request([3, i], sp) for i in range(4)]
+        await asyncio.sleep(0)  # the requests leave
+        conn.send("submitted")
+        records = await asyncio.wait_for(asyncio.gather(*pending), 150)
+        later = await asyncio.wait_for(client.add_request([9, 9], SP), 20)
+        conn.send([[r.merge().generated_tokens for r in records],
+                   later.merge().generated_tokens, client.rejoins])  # fmt: skip
+        client.stop()
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("past_own_timeout", [False, True], ids=["45s-like", "65s-like"])
 def test_a_sigstopped_client_process_is_served_after_sigcont(past_own_timeout):
     """A client process frozen (SIGSTOP) past the coordinator's client timeout, then resumed:
