@@ -93,3 +93,92 @@ def test_grpo_loop_under_attack_and_faults_keeps_every_update_and_sample_honest(
 @pytest.mark.timeout(900)
 def test_grpo_loop_survives_a_40s_trainer_freeze_at_the_default_client_timeout():
     _check(_run_loop(client_timeout_s=30.0, freeze_s=40.0))
+
+
+# ---- issue 31: a replayed store value, a client paused past its own timeout -------------------
+
+
+@pytest.mark.timeout(600)
+def test_chaos_replayed_committed_version_then_crashes_never_loop_an_engine():
+    """Five updates on two engine processes; a local process without the secret saves the
+    store's MACed committed version after update 1 and writes it back after each later update,
+    and an engine is SIGKILLed after updates 2 and 4. Each crash costs one restart (none stale,
+    none given up), the restarted engine serves the current version, and every answer is the
+    current version's greedy decode, stamped with it."""
+    from fake_engine import wait_for
+    from reference import tiny_model
+    from test_supervision import FAST, PROMPTS, SP, _gather, _greedy, _perturbed
+
+    from rollout.serving.cluster import EngineCluster
+    from rollout.tokenizers import ByteTokenizer
+    from rollout.weights.rendezvous import COMMITTED_KEY
+
+    model = tiny_model(seed=3)
+    cluster = EngineCluster(
+        2, model, tokenizer=ByteTokenizer(), inference_config={"num_blocks": 64},
+        coordinator=FAST, restart={"backoff_s": 0.1, "max_restarts": 3}, sync_timeout_s=30,
+        auth_token="chaos-replay-secret",
+    ).start()  # fmt: skip
+    try:
+        replay, crashes = None, 0
+        for version in range(1, 6):
+            weights = _perturbed(model)
+            cluster.update_weights(weights, version)
+            store = cluster.sync.store
+            if replay is None:
+                replay = store.get(COMMITTED_KEY)
+            else:
+                store.set(COMMITTED_KEY, replay)
+            if version in (2, 4):
+                os.kill(cluster.engine_processes[1].pid, signal.SIGKILL)
+                crashes += 1
+                wait_for(lambda n=crashes: cluster.supervision_stats()["restarts"] >= n, 60,
+                         "the restart")  # fmt: skip
+                wait_for(lambda v=version: cluster.stats()["engines"].get(1, {})
+                         .get("weight_version") == v, 60, "the restarted engine")  # fmt: skip
+            futs = cluster.call(lambda: [cluster.client.add_request(p, SP) for p in PROMPTS])
+            out = cluster.call(lambda futs=futs: _gather(futs), 60)
+            assert [r.merge().generated_tokens for r in out] == _greedy(weights)
+            assert all(set(r.merge().generated_weight_versions) == {version} for r in out)
+        sup = cluster.supervision_stats()
+        assert (sup["restarts"], sup["stale_restarts"], sup["gave_up"]) == (2, 0, [])
+    finally:
+        cluster.close()
+
+
+@pytest.mark.timeout(420)
+def test_chaos_a_client_paused_65s_keeps_its_requests():
+    """The issue's repro: a client process with four requests in flight is SIGSTOPped for 65 s,
+    past its own 60 s coordinator timeout and the coordinator's 30 s client timeout; the
+    coordinator and engine stay alive. After SIGCONT all four complete (replayed once), and a
+    new request too."""
+    import multiprocessing as mp
+
+    from fake_engine import expected_tokens, make_fake_engine
+    from test_transport import _paused_client
+
+    from rollout.serving.coordinator import DataParallelInferenceCoordinator
+    from rollout.serving.worker import EngineWorker
+
+    coord, address, token = DataParallelInferenceCoordinator.spawn(heartbeat_s=0.5)
+    # 1000 tokens at 40 ms a step: still running when the coordinator forgets the client
+    engine = EngineWorker.spawn(address, 0, make_fake_engine, {"step_delay": 0.04},
+                                {"auth_token": token})  # fmt: skip
+    parent, child = mp.get_context("spawn").Pipe()
+    paused = mp.get_context("spawn").Process(target=_paused_client, args=(address, token, child))
+    try:
+        paused.start()
+        assert parent.poll(60) and parent.recv() == "submitted"
+        os.kill(paused.pid, signal.SIGSTOP)
+        time.sleep(65.0)  # the fault itself: a client that does not run
+        os.kill(paused.pid, signal.SIGCONT)
+        assert parent.poll(180), "the resumed client's requests did not complete"
+        got, later, rejoins = parent.recv()
+        assert got == [expected_tokens([3, i], 1000) for i in range(4)]
+        assert later == expected_tokens([9, 9], 4) and rejoins >= 1
+    finally:
+        for p in (paused, engine, coord):
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+            p.join(5)

@@ -83,3 +83,43 @@ async def test_misfit_refused_and_a_label_never_admits_a_held_engine():
             s.close(0)
         h.close()
         ctx.term()
+
+
+async def test_other_weights_are_refused_until_a_trainer_pushes_weights():
+    """Same architecture, other weights (base vs instruct): refused by its weights digest while
+    the service's weights are its checkpoint's; once a trainer pushes weights, admitted and held
+    until it has received them (issue 31, model identity)."""
+    h = Harness(engine_timeout_s=30.0)
+    ctx = zmq.Context()
+    client = await h.client()
+    base = {**MODEL, "weights": "1" * 16}
+    a = _register(ctx, h, 0, 0, base, True)
+    socks = [a]
+    try:
+        await _next(a, Headers.ENGINE_REGISTER_ACK)
+        same = _register(ctx, h, 1, 0, base, True)
+        socks.append(same)
+        await _next(same, Headers.ENGINE_REGISTER_ACK)
+        other = _register(ctx, h, 2, 0, {**base, "weights": "2" * 16}, True)
+        socks.append(other)
+        ref, _, message = await _next(other, Headers.ERROR)
+        assert (
+            ref == int(Headers.ENGINE_REGISTER)
+            and "weights digest '2222222222222222' here" in message
+        )
+        assert "attach a trainer that pushes its weights" in message
+        assert h.coord.counters["engines_refused_model"] == 1 and len(h.coord.engines) == 2
+
+        applied = {"weight_version": 1, "bytes": 8, "checksum": "c"}
+        acks = {"a": applied, "same": applied}
+        await _set_version(client, {"a": a, "same": same}, 1, RENDEZVOUS, acks)
+        late = _register(ctx, h, 2, 0, {**base, "weights": "3" * 16}, True)
+        socks.append(late)
+        await _next(late, Headers.ENGINE_REGISTER_ACK)
+        assert h.coord.stats()["engines"][2]["syncing"]  # held until the trainer's weights
+    finally:
+        client.stop()
+        for s in socks:
+            s.close(0)
+        h.close()
+        ctx.term()

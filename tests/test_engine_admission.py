@@ -38,9 +38,9 @@ class _Engine:
         self.model = model
 
 
-def _identity(**overrides) -> dict:
+def _identity(seed: int = 0, **overrides) -> dict:
     config = ModelConfig.preset("tiny", vocab_size=259, **overrides)
-    return model_identity(_Engine(build_model(config, seed=0)))
+    return model_identity(_Engine(build_model(config, seed=seed)))
 
 
 def test_identity_names_what_differs():
@@ -55,6 +55,17 @@ def test_identity_names_what_differs():
     assert mismatch(half, tiny) == "dtypes 'float16' here, 'float32' in the service"
     assert refusal({"architecture": ["x"]}, tiny).startswith("invalid registration")
     assert refusal(tiny, None) is None  # the first engine sets the service's model
+
+
+def test_identity_tells_other_weights_of_the_same_model_apart():
+    """Another checkpoint of the same architecture: every shape matches, the weights digest
+    does not; refused while no trainer pushes weights, admitted (to be held) once one does."""
+    tiny, other = _identity(), _identity(seed=1)
+    assert mismatch(other, tiny) is None and other["weights"] != tiny["weights"]
+    assert _identity()["weights"] == tiny["weights"]  # deterministic: same checkpoint, same digest
+    why = refusal(other, tiny)
+    assert "model mismatch" in why and f"weights digest {other['weights']!r} here" in why
+    assert refusal(other, tiny, weights_managed=True) is None
 
 
 def _serve(dp: int) -> subprocess.Popen:

@@ -26,6 +26,7 @@ from rollout.models.lora import (
 )
 from rollout.models.packed import _OPS as packed_ops
 from rollout.rl.manager import RolloutManager
+from rollout.weights.layout import plan_layout
 from rollout.weights.snapshot import WeightSnapshot
 from rollout.weights.state import as_state_dict
 
@@ -44,7 +45,8 @@ ICFG = dict(block_size=8, num_blocks=64, max_tokens_per_step=16, max_requests=8,
             max_sequence_length=128)  # fmt: skip
 
 
-def make_peft(arch: str = "qwen3", seed: int = 0, rslora: bool = False):
+def make_peft(arch: str = "qwen3", seed: int = 0, rslora: bool = False, r: int = 4,
+              alpha: float = 8):  # fmt: skip
     """A random-weight HF model wrapped by PEFT, its adapter zero (B=0) as PEFT initialises it."""
     torch.manual_seed(seed)
     if arch == "qwen2-moe":  # LoRA on attention and the shared expert; experts are stacked
@@ -55,7 +57,7 @@ def make_peft(arch: str = "qwen3", seed: int = 0, rslora: bool = False):
     else:
         hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**BASE, head_dim=16))
     _perturb(hf, seed, std=0.2, lora=False)
-    lc = peft.LoraConfig(r=4, lora_alpha=8, target_modules=ALL, use_rslora=rslora,
+    lc = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=ALL, use_rslora=rslora,
                          lora_dropout=0.0)  # fmt: skip
     return peft.get_peft_model(hf.eval(), lc).eval()
 
@@ -219,10 +221,35 @@ def test_dp2_engine_processes_take_adapter_only_updates(tmp_path):
             acks = llm.update_weights(pm, version)
             assert sorted(acks) == [0, 1]
             assert {a["weight_version"] for a in acks.values()} == {version}
-            assert {a["bytes"] for a in acks.values()} == {adapter_bytes(pm)}
+            streamed = plan_layout(as_state_dict(pm))[1]  # the adapter's, each tensor aligned
+            assert {a["bytes"] for a in acks.values()} == {streamed}
             assert len({a["checksum"] for a in acks.values()}) == 1
             assert_matches_merged(llm, pm)
     finally:
+        llm.shutdown()
+
+
+def test_an_adapter_pushed_at_another_scale_is_served_at_the_pushed_scale():
+    """Engines started with r=8, lora_alpha=16 (scale 2); the trainer's PEFT model has the same
+    base and rank but lora_alpha=64 (scale 8), then use_rslora (64/sqrt(8)). The scale travels
+    inside the signed update (a `lora_scale` tensor per module): the engine processes' greedy
+    tokens and log-probs equal the pushed model's, never the engine's old scale (issue 31,
+    defect 2). Embedded and dp=2 engine processes."""
+    started = make_peft(r=8, alpha=16)
+    pushed = [make_peft(r=8, alpha=64), make_peft(r=8, alpha=64, rslora=True)]
+    embedded = RolloutManager(model=from_transformers(started)[0],
+                              inference_config=InferenceConfig(**ICFG))  # fmt: skip
+    llm = LLM(started, None, InferenceConfig(**ICFG), use_coordinator=True, data_parallel_size=2)
+    try:
+        for version, pm in enumerate(pushed, start=1):
+            _perturb(pm, seed=version, std=0.2, lora=True)
+            assert embedded.update_weights(pm) == version
+            assert_matches_merged(embedded, pm)
+            acks = llm.update_weights(pm, version)
+            assert {a["weight_version"] for a in acks.values()} == {version}
+            assert_matches_merged(llm, pm)
+    finally:
+        embedded.close()
         llm.shutdown()
 
 

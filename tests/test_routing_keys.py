@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from rollout.serving.client import _check_routing_key
 from rollout.serving.coordinator.routing import POLICIES, Router
+from rollout.serving.submissions import check_routing_key
 
 
 def _router(policy: str, engines: int = 3) -> Router:
@@ -57,4 +57,4 @@ def test_weight_updates_keep_keys_and_the_table_is_bounded():
 )
 def test_the_client_refuses_a_bad_key(bad):
     with pytest.raises(ValueError, match="routing_key"):
-        _check_routing_key(bad)
+        check_routing_key(bad)

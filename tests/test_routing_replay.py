@@ -12,6 +12,7 @@ weights move by ~1e-6 only.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import os
 import signal
@@ -405,3 +406,68 @@ def test_reprefill_routes_recorded_positions_as_recorded():
         assert gap.abs().max().item() <= bound
     rerouted = (trainer_log_probs(hf, batch, False) - batch["behaviour_logp"])[at]
     assert rerouted.abs().max().item() > 1e-2  # the rewritten experts mattered
+
+
+async def test_a_record_that_cannot_fit_a_frame_is_refused_before_it_runs():
+    """The coordinator's frame limit forced small (16 KiB): a routing-replay request whose
+    record could pass it fails at once, naming the limit, before a single step (before: it
+    generated all 900 tokens, then failed "record exceeds the frame limit"); one that fits is
+    served with every token's experts."""
+    from fake_engine import Harness, _run_quietly
+
+    from rollout.serving.worker import EngineWorker
+
+    h = Harness(max_frame_bytes=16 * 1024, engine_timeout_s=30.0)
+    engine = engine_for(near_tie_hf(), max_sequence_length=1024, num_blocks=512)
+    worker = EngineWorker(engine, h.address, 0, auth_token=h.auth_token, block_size=4,
+                          capacity=8, coordinator_timeout_s=30.0)  # fmt: skip
+    thread = threading.Thread(target=_run_quietly, args=(worker,), daemon=True)
+    thread.start()
+    h.workers.append(worker)
+    h.threads.append(thread)
+    client = None
+    try:
+        h.wait_engines(1, 60)
+        client = await h.client()
+        prompt = list(range(1, 11))
+        long = await asyncio.wait_for(
+            client.add_request(prompt, replay_params(num_tokens_to_generate=900)), 120
+        )
+        failed = long.merge()
+        assert failed.failed() and worker.counters["steps"] == 0
+        message = failed.events[0].payload["message"]
+        assert "routing replay of up to 910 tokens" in message
+        assert "max_frame_bytes=16384" in message
+        fits = await asyncio.wait_for(client.add_request(prompt, replay_params()), 120)
+        merged = fits.merge()
+        assert not merged.failed() and len(merged.routed_experts) == NEW_TOKENS
+    finally:
+        if client is not None:
+            client.stop()
+        h.close()
+
+
+def test_the_cluster_sizes_the_frame_limit_from_the_model():
+    """94 MoE layers x top-8 (752 bytes of experts a token): a 128k-token sequence's record
+    needs ~100 MB, over the 64 MB default; the frame limit an EngineCluster gives its
+    coordinator is sized from the model's config."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from rollout.models.loader import save_pretrained
+    from rollout.protocol import MAX_FRAME_BYTES
+    from rollout.serving.factory import routing_frame_bytes
+    from rollout.serving.replies import routed_record_bound
+
+    assert routed_record_bound(85_000, 94 * 8) > MAX_FRAME_BYTES  # the issue's 85k tokens
+    model, config = from_transformers(near_tie_hf())
+    with tempfile.TemporaryDirectory() as path:
+        save_pretrained(model, config, path)
+        file = Path(path) / "config.json"
+        cfg = json.loads(file.read_text())
+        cfg.update(num_hidden_layers=94, num_experts_per_tok=8, num_experts=128)
+        file.write_text(json.dumps(cfg))
+        need = routing_frame_bytes({"model": path, "max_sequence_length": 131072})
+    assert need == routed_record_bound(131072, 94 * 8) and need > MAX_FRAME_BYTES
+    assert routing_frame_bytes({"model": "tiny"}) == 0  # dense: no routing to carry

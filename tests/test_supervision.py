@@ -22,6 +22,7 @@ from rollout.serving.cluster import EngineCluster
 from rollout.serving.supervisor import EngineSupervisor, RestartPolicy
 from rollout.serving.worker import EXIT_REFUSED, EXIT_STALE_WEIGHTS
 from rollout.tokenizers import ByteTokenizer
+from rollout.weights.rendezvous import COMMITTED_KEY
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -103,6 +104,27 @@ def test_supervisor_restarts_crashes_with_backoff_then_gives_up():
         assert [k for k, r in events if r == 0] == ["exited", "restarted"] * 2 + ["exited",
                                                                                   "gave_up"]  # fmt: skip
         assert ("restarted", 1) not in events
+    finally:
+        sup.stop()
+        reap(procs)
+
+
+def test_stale_exits_count_against_the_restart_limit():
+    """An engine that exits stale every time (a committed version it can never reach) is
+    restarted at once the first time, then with backoff, and given up at the limit: stale
+    restarts are bounded like any other (issue 31, defect 3)."""
+    events: list[tuple[str, int]] = []
+    procs = [_spawn(EXIT_STALE_WEIGHTS)]
+    policy = RestartPolicy(max_restarts=3, window_s=60, backoff_s=0.05, backoff_max_s=0.1)
+    sup = EngineSupervisor(
+        policy, procs, lambda rank: _spawn(EXIT_STALE_WEIGHTS),
+        lambda k, r, d: events.append((k, r)),
+    ).start()  # fmt: skip
+    try:
+        wait_for(lambda: sup.stats()["gave_up"] == [0], 60, "rank 0 given up")
+        stats = sup.stats()
+        assert stats["restarts"] == 3 and stats["stale_restarts"] == 3
+        assert [k for k, _ in events] == ["exited", "restarted"] * 3 + ["exited", "gave_up"]
     finally:
         sup.stop()
         reap(procs)
@@ -226,6 +248,39 @@ def test_llm_engine_killed_update_weights_completes_and_restart_serves_current_w
         assert [r.generated_tokens for r in out] == _greedy(v3)
     finally:
         llm.shutdown()
+
+
+def test_a_replayed_committed_version_does_not_loop_a_restarted_engine():
+    """A local process without the secret saves the store's MACed committed version after
+    update 1 and writes it back after update 2; then an engine crashes. Its restart (from the
+    snapshot of version 2) is newer than the replayed value, not stale: it registers once and
+    serves version 2, with one restart and none stale (issue 31, defect 3)."""
+    model = tiny_model(seed=3)
+    cluster = EngineCluster(
+        2, model, tokenizer=ByteTokenizer(), inference_config={"num_blocks": 64},
+        coordinator=FAST, restart={"backoff_s": 0.1, "max_restarts": 3}, sync_timeout_s=30,
+        auth_token="replay-test-secret",
+    ).start()  # fmt: skip
+    try:
+        cluster.update_weights(_perturbed(model), 1)
+        store = cluster.sync.store
+        old = store.get(COMMITTED_KEY)  # readable by anyone who reaches the store
+        v2 = _perturbed(model)
+        cluster.update_weights(v2, 2)
+        store.set(COMMITTED_KEY, old)  # the replay: MACed by the trainer, but a rollback
+        victim = cluster.engine_processes[1]
+        os.kill(victim.pid, signal.SIGKILL)
+        wait_for(lambda: cluster.supervision_stats()["restarts"] >= 1, 30, "a restart")
+        wait_for(lambda: cluster.stats()["engines"].get(1, {}).get("weight_version") == 2, 60,
+                 "the restarted engine serving version 2")  # fmt: skip
+        futs = cluster.call(lambda: [cluster.client.add_request(p, SP) for p in PROMPTS])
+        out = cluster.call(lambda: _gather(futs), 60)
+        assert [r.merge().generated_tokens for r in out] == _greedy(v2)
+        sup = cluster.supervision_stats()
+        assert (sup["restarts"], sup["stale_restarts"], sup["gave_up"]) == (1, 0, [])
+        assert cluster.engine_processes[1].is_alive()
+    finally:
+        cluster.close()
 
 
 def test_restart_limit_reached_leaves_the_rank_down_and_the_rest_serving():

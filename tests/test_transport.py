@@ -331,6 +331,19 @@ async def test_a_client_whose_connection_was_reset_joins_again():
         h.close()
 
 
+def test_a_client_discounts_its_own_stall_before_declaring_the_coordinator_dead():
+    """The rule (rollout.serving.stall), on the client's clock: a heartbeat timer that fired
+    65 s late means the client did not run, so 65 s of silence is not the coordinator's; the
+    coordinator then gets a full timeout from now, and silence past that is its own."""
+    client = InferenceClient("tcp://127.0.0.1:1", coordinator_timeout=60.0)
+    client._last_recv = 100.0
+    assert not client._coordinator_lost(165.0, late_s=64.0)  # a 65 s SIGSTOP
+    assert not client._coordinator_lost(200.0, late_s=0.0)
+    assert client._coordinator_lost(226.0, late_s=0.0)  # 61 s of real silence since
+    client._last_recv = 100.0
+    assert client._coordinator_lost(161.0, late_s=0.5)  # on time: the silence is real
+
+
 def test_connect_ack_tells_the_frame_limit():
     ack = decode(encode(Headers.CONNECT_ACK, 1, 2, 0.5, LIMIT))[1]
     assert ack == [1, 2, 0.5, LIMIT] and pack_tokens([1])
@@ -369,12 +382,13 @@ async def test_an_http_request_of_many_long_choices_is_served_and_one_too_long_r
         h.close()
 
 
-def _frozen_client(address: str, token: str, conn) -> None:
+def _frozen_client(address: str, token: str, conn, coordinator_timeout: float = 60.0) -> None:
     """Child process: one pending request, word to the parent (which SIGSTOPs this process),
     then that request's tokens and a new request's, and how often it joined again."""
 
     async def main() -> None:
-        client = await InferenceClient(address, auth_token=token).start()
+        client = await InferenceClient(address, auth_token=token,
+                                       coordinator_timeout=coordinator_timeout).start()  # fmt: skip
         pending = client.add_request([3, 1], SamplingParams(num_tokens_to_generate=40))
         await asyncio.sleep(0)  # the request leaves
         conn.send("submitted")
@@ -386,10 +400,33 @@ def _frozen_client(address: str, token: str, conn) -> None:
     asyncio.run(main())
 
 
-def test_a_sigstopped_client_process_is_served_after_sigcont():
+def _paused_client(address: str, token: str, conn) -> None:
+    """Child process (tests/test_chaos_trust.py): four requests in flight at the default
+    timeouts, word to the parent (which pauses this process), then their tokens, a new
+    request's and how often it joined again."""
+
+    async def main() -> None:
+        client = await InferenceClient(address, auth_token=token).start()
+        sp = SamplingParams(num_tokens_to_generate=1000)  # still running when it is forgotten
+        pending = [client.add_request([3, i], sp) for i in range(4)]
+        await asyncio.sleep(0)  # the requests leave
+        conn.send("submitted")
+        records = await asyncio.wait_for(asyncio.gather(*pending), 150)
+        later = await asyncio.wait_for(client.add_request([9, 9], SP), 20)
+        conn.send([[r.merge().generated_tokens for r in records],
+                   later.merge().generated_tokens, client.rejoins])  # fmt: skip
+        client.stop()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("past_own_timeout", [False, True], ids=["45s-like", "65s-like"])
+def test_a_sigstopped_client_process_is_served_after_sigcont(past_own_timeout):
     """A client process frozen (SIGSTOP) past the coordinator's client timeout, then resumed:
     its pending request and its next one complete, in a coordinator and an engine that are
-    processes of their own."""
+    processes of their own. Also when the freeze outlasts the client's own
+    `coordinator_timeout` (issue 31, defect 6: the 65 s SIGSTOP, scaled to a 2 s timeout): the
+    silence was the client's own, so it joins again instead of blaming the coordinator."""
     import multiprocessing as mp
     import os
     import signal
@@ -405,11 +442,14 @@ def test_a_sigstopped_client_process_is_served_after_sigcont():
     engine = EngineWorker.spawn(address, 0, make_fake_engine, {"step_delay": 0.02},
                                 {"auth_token": token})  # fmt: skip
     parent, child = mp.get_context("spawn").Pipe()
-    frozen = mp.get_context("spawn").Process(target=_frozen_client, args=(address, token, child))
+    own_timeout = 2.0 if past_own_timeout else 60.0
+    frozen = mp.get_context("spawn").Process(target=_frozen_client,
+                                             args=(address, token, child, own_timeout))  # fmt: skip
     try:
         frozen.start()
         assert parent.poll(60) and parent.recv() == "submitted"
         os.kill(frozen.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
 
         async def forgotten() -> None:
             watcher = await InferenceClient(address, auth_token=token).start()
@@ -423,6 +463,8 @@ def test_a_sigstopped_client_process_is_served_after_sigcont():
                 watcher.stop()
 
         asyncio.run(forgotten())
+        if past_own_timeout:  # the freeze itself is the scenario: it must outlast the timeout
+            time.sleep(max(0.0, stopped_at + 1.5 * own_timeout - time.monotonic()))
         os.kill(frozen.pid, signal.SIGCONT)
         assert parent.poll(40), "the resumed client's requests did not complete"
         first, second, rejoins = parent.recv()

@@ -291,6 +291,28 @@ def test_engines_act_only_on_what_the_trainer_macs():
         trainer.close()
 
 
+def test_a_replayed_committed_version_is_a_rollback_and_refused():
+    """The MAC proves origin, not freshness: an older MACed committed version written back is
+    refused, for an engine that saw the newer one and for one spawned after it (its floor comes
+    from the trainer through its start arguments, not from the store)."""
+    key = weight_key("s3")
+    trainer = TrainerWeightSync(1 << 20, 10.0, "ipc", key=key)
+    seen = EngineWeightSync(_Engine(), trainer.worker_info(0), key)
+    try:
+        trainer.commit(1)
+        old = trainer.store.get(COMMITTED_KEY)
+        trainer.commit(2)
+        assert seen.committed_version() == 2
+        spawned = EngineWeightSync(_Engine(), trainer.worker_info(1), key)
+        trainer.store.set(COMMITTED_KEY, old)
+        assert seen.committed_version() == 2 and spawned.committed_version() == 2
+        trainer.commit(3)
+        assert seen.committed_version() == 3
+    finally:
+        seen.close()
+        trainer.close()
+
+
 def test_without_a_secret_the_weight_store_stays_on_loopback():
     with pytest.raises(ValueError, match=r"beyond loopback.*auth token"):
         TrainerWeightSync(1 << 20, 10.0, host="0.0.0.0", key=None)

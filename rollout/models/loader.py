@@ -22,6 +22,7 @@ from rollout.models.lora import (
     apply_lora,
     is_adapter_name,
     is_peft_model,
+    is_scale_name,
     load_adapter,
     load_adapter_tensors,
     peft_parts,
@@ -68,6 +69,7 @@ def load_state_dict(
     if model.config.num_experts:
         tensors = stack_experts(tensors, model.config.num_experts)
     params = dict(model.named_parameters(remove_duplicate=False))
+    params.update((n, b) for n, b in model.named_buffers() if is_scale_name(n))  # LoRA scales
     tied = model.config.tie_word_embeddings
     unexpected = [n for n in tensors if n not in params and not n.endswith(_IGNORED_SUFFIXES)]
     if unexpected:

@@ -9,6 +9,14 @@ storage and its MKL pack (rollout.models.packed adds the adapter's term), so a f
 update and an adapter update each replace only their own tensors and compose. Why not merge:
 an adapter update then moves megabytes, and the base weights stay bit-exact.
 
+The scale (lora_alpha / r, or / sqrt(r) with rsLoRA) is a tensor too: a float32 scalar buffer
+`<module>.lora_scale`, so it travels inside a pushed update (covered by its checksums and MAC
+like any weight) and is applied with the adapter: a PEFT model's update always carries its own
+(`peft_adapter`), so an adapter trained with another lora_alpha or use_rslora than the engine
+was started with is served at the trainer's scale, never silently at the engine's. An update
+without scales keeps the engine's. A buffer rather than a Python float also keeps CUDA graphs
+reading the current value.
+
 Supported targets: the attention and MLP projections (q, k, v, o, gate, up, down), including a
 MoE model's attention and shared expert; LoRA on stacked experts (PEFT's `target_parameters`),
 the router, the embeddings or the head is refused by name, as are DoRA, biases, per-module
@@ -34,6 +42,7 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # what PEFT puts before the base model's module names
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SCALE = "lora_scale"  # each LoraLinear's scale buffer: `<module>.lora_scale`
 _ADAPTER_MARKERS = (".lora_A.", ".lora_B.")
 # adapter_config.json keys whose non-default values change the math: refused by name
 _UNSUPPORTED = {
@@ -111,7 +120,8 @@ class LoraLinear(nn.Linear):
         self.lora_B = nn.Linear(spec.r, base.out_features, bias=False, **kw)
         nn.init.zeros_(self.lora_A.weight)
         nn.init.zeros_(self.lora_B.weight)  # a fresh adapter adds nothing
-        self.lora_scale = spec.scale
+        scale = torch.tensor(spec.scale, dtype=torch.float32, device=base.weight.device)
+        self.register_buffer(SCALE, scale)  # 0-d: the activations keep their dtype
 
     def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
         """scale * B(A(x)), in PEFT's order of operations."""
@@ -122,7 +132,12 @@ class LoraLinear(nn.Linear):
 
 
 def is_adapter_name(name: str) -> bool:
-    return any(m in name for m in _ADAPTER_MARKERS)
+    return any(m in name for m in _ADAPTER_MARKERS) or is_scale_name(name)
+
+
+def is_scale_name(name: str) -> bool:
+    """An adapter's scale (optional in an update: without it the engine's stays)."""
+    return name.endswith("." + SCALE)
 
 
 def _targeted(name: str, spec: LoraSpec) -> bool:
@@ -159,8 +174,15 @@ def lora_spec(model: nn.Module) -> LoraSpec | None:
 
 
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The engine model's adapter tensors (engine names), detached."""
-    return {n: p.detach() for n, p in model.named_parameters() if is_adapter_name(n)}
+    """The engine model's adapter tensors and scales (engine names), detached."""
+    return {n: t.detach() for n, t in model.state_dict(keep_vars=True).items()
+            if is_adapter_name(n)}  # fmt: skip
+
+
+def scales_of(adapter: Iterable[str], spec: LoraSpec) -> dict[str, torch.Tensor]:
+    """`<module>.lora_scale` at `spec`'s scale for each module of the adapter names given."""
+    modules = {n.rsplit(".lora_A.", 1)[0] for n in adapter if ".lora_A." in n}
+    return {f"{m}.{SCALE}": torch.tensor(spec.scale, dtype=torch.float32) for m in sorted(modules)}
 
 
 def from_peft_names(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -199,7 +221,7 @@ def load_adapter(model: nn.Module, path: str | os.PathLike) -> LoraSpec:
 def load_adapter_tensors(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
     """Copy a whole adapter (engine names) into `model`; ValueError before any copy."""
     params = adapter_state_dict(model)
-    missing = sorted(set(params) - set(tensors))
+    missing = sorted(n for n in set(params) - set(tensors) if not is_scale_name(n))
     unexpected = sorted(set(tensors) - set(params))
     wrong = [f"{n}: {tuple(t.shape)} vs model {tuple(params[n].shape)}"
              for n, t in tensors.items() if n in params and t.shape != params[n].shape]  # fmt: skip
@@ -220,29 +242,38 @@ def save_adapter(model: nn.Module, path: str | os.PathLike) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     targets = spec.target_modules
-    cfg = {"peft_type": "LORA", "r": spec.r, "lora_alpha": spec.lora_alpha,
+    tensors = adapter_state_dict(model)
+    scales = {float(t) for n, t in tensors.items() if is_scale_name(n)}
+    if len(scales) > 1:
+        raise ValueError(f"the adapter's modules have different scales {sorted(scales)}: PEFT's "
+                         "adapter_config.json holds one lora_alpha")  # fmt: skip
+    scale = scales.pop() if scales else spec.scale  # the pushed one, if an update changed it
+    alpha = scale * (math.sqrt(spec.r) if spec.use_rslora else spec.r)
+    cfg = {"peft_type": "LORA", "r": spec.r, "lora_alpha": alpha,
            "use_rslora": spec.use_rslora, "bias": "none", "lora_dropout": 0.0,
            "task_type": "CAUSAL_LM",
            "target_modules": targets if isinstance(targets, str) else list(targets)}  # fmt: skip
     (path / CONFIG_FILE).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     tensors = {PEFT_PREFIX + n: t.to("cpu").contiguous()
-               for n, t in adapter_state_dict(model).items()}  # fmt: skip
+               for n, t in tensors.items() if not is_scale_name(n)}  # fmt: skip
     save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
     return path
 
 
 def peft_adapter(source: Any) -> dict[str, torch.Tensor] | None:
-    """A PEFT-wrapped model's active adapter in the engine's names (what an adapter-only
-    `update_weights` sends); None when `source` is not a PEFT model."""
+    """A PEFT-wrapped model's active adapter in the engine's names, with its scale per module
+    (what an adapter-only `update_weights` sends: the engine applies the trainer's scale);
+    None when `source` is not a PEFT model."""
     if not is_peft_model(source):
         return None
     from peft import get_peft_model_state_dict
 
     name = getattr(source, "active_adapter", "default")
     cfg = source.peft_config[name]
-    LoraSpec.from_peft(cfg.to_dict())  # refuse what the engine would not apply, by name
+    spec = LoraSpec.from_peft(cfg.to_dict())  # refuse what the engine would not apply, by name
     sd = get_peft_model_state_dict(source, adapter_name=name)
-    return {n: t.detach() for n, t in from_peft_names(sd).items()}
+    adapter = {n: t.detach() for n, t in from_peft_names(sd).items()}
+    return {**adapter, **scales_of(adapter, spec)}
 
 
 def is_peft_model(source: Any) -> bool:
@@ -264,12 +295,12 @@ def peft_parts(source: Any) -> tuple[nn.Module, dict[str, torch.Tensor], LoraSpe
 def update_scope(target: Iterable[str], update: Iterable[str]) -> set[str]:
     """The names a complete update must cover. Without an adapter: all of the model's. With
     one: the adapter alone (an adapter update), the base alone (a full-weight update of the base
-    model, the adapter kept), or both."""
-    target = set(target)
+    model, the adapter kept), or both; the adapter's scales are optional."""
+    target = {n for n in target if not is_scale_name(n)}
     adapter = {n for n in target if is_adapter_name(n)}
     if not adapter:
         return target
-    names = set(update)
+    names = {n for n in update if not is_scale_name(n)}
     if names and names <= adapter:
         return adapter
     if not names & adapter:

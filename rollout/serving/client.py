@@ -8,18 +8,10 @@ transition. Token prompts go on the wire packed (int32 bytes), never as msgpack 
 Sends are batched per event-loop turn: a turn's first submission leaves at once (a lone request
 waits for nothing), the rest of a burst leaves as SUBMIT_BATCH frames when the turn ends, and any
 other message flushes the queue first, so the coordinator sees everything in call order.
-A submission that cannot be encoded, or that alone exceeds the coordinator's frame limit (learnt
-from its CONNECT_ACK), is refused by `add_request` itself (ValueError) before it is queued; bursts
-leave in frames under that limit, so no frame ever makes the coordinator drop the connection.
-Should a queued row still fail to encode, only its own future fails.
-
-A coordinator that forgot this client (it stalled past the coordinator's client timeout: a frozen
-container, a debugger; or its connection was reset) answers its next frame with "unknown peer".
-The client then handshakes again and resends every pending request (it keeps their wire rows until
-they resolve); what cannot be replayed fails with `ConnectionReset`: control signals in flight (they
-may or may not have been applied) and streams that already delivered tokens. A new handshake that
-is refused or unanswered within `handshake_timeout` fails everything pending. The link is CURVE-
-encrypted when the coordinator speaks CURVE (rollout.serving.curve).
+How submissions are checked and split into frames under the coordinator's limit is
+`rollout.serving.submissions`; how the client joins again when the coordinator forgot it (and
+resends what is pending) is `rollout.serving.rejoin`. The link is CURVE-encrypted when the
+coordinator speaks CURVE (rollout.serving.curve).
 
 The auth token comes from the argument, a file, or the environment (rollout.serving.auth.resolve_token).
 """
@@ -40,15 +32,12 @@ import zmq
 from rollout.protocol import (
     CONTROL_HEADERS,
     MAX_FRAME_BYTES,
-    MAX_ROUTING_KEY_CHARS,
     Headers,
     ProtocolError,
-    batch_frames,
     decode,
     encode,
     encode_trusted,
     pack_obj,
-    pack_tokens,
     unpack_floats,
     unpack_obj,
     unpack_tokens,
@@ -59,7 +48,16 @@ from rollout.sampling import SamplingParams
 from rollout.serving.auth import resolve_token
 from rollout.serving.curve import connect_dealer, resolve_curve
 from rollout.serving.gc_tuning import freeze_startup_heap
-from rollout.serving.replies import FRAME_OVERHEAD, frame_bounds
+from rollout.serving.rejoin import Rejoin
+from rollout.serving.replies import FRAME_OVERHEAD
+from rollout.serving.stall import stalled
+from rollout.serving.submissions import (
+    check_routing_key,
+    row_bytes,
+    submission_frames,
+    too_large,
+    wire_prompt,
+)
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +89,6 @@ class ConnectionReset(ClientStopped):
     control signal (it may or may not have been applied) or a stream that delivered tokens."""
 
 
-SUBMIT_ROW_OVERHEAD = 64  # bytes a submission row adds beyond its prompt, params and key
-
-
 @dataclass(slots=True)
 class Partial:
     """Newly streamed tokens of one request (log-probs empty unless requested) and the weight
@@ -113,25 +108,6 @@ class RequestFuture(asyncio.Future):
     """A Future that knows its client request id (so abort() can take it)."""
 
     request_id: int
-
-
-def _wire_prompt(prompt: Any) -> str | bytes:
-    """A prompt as it goes on the wire (text, or packed token ids); ValueError if it cannot."""
-    if isinstance(prompt, str):
-        if not prompt.isascii():  # isascii is O(1); only other text needs the UTF-8 check
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ValueError(
-                    f"prompt is not valid UTF-8 text ({e.reason} at index {e.start}: "
-                    f"{prompt[e.start : e.end]!r})"
-                ) from None
-        wire: str | bytes = prompt
-    else:
-        wire = pack_tokens(prompt)
-    if not wire:
-        raise ValueError("prompt must not be empty")
-    return wire
 
 
 class InferenceClient:
@@ -180,8 +156,7 @@ class InferenceClient:
         # pending requests: (submit time, wire row, row bytes), kept to resend after a rejoin
         self._pending: dict[int, tuple[float, list, int]] = {}
         self._streamed: set[int] = set()  # streams that delivered tokens (cannot be replayed)
-        self._rejoin: asyncio.TimerHandle | None = None  # set while handshaking again
-        self._deferred: list[bytes] = []  # other frames sent while handshaking again
+        self._rejoin = Rejoin(self)  # active while handshaking again (rollout.serving.rejoin)
         self._controls: dict[int, asyncio.Future] = {}
         self._stats: dict[int, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
@@ -243,8 +218,8 @@ class InferenceClient:
     def _send(self, frame: bytes, _starting: bool = False) -> None:
         if self._sock is None or self._stopped or not (self._started or _starting):
             raise ClientStopped("client is not started or already stopped")
-        if self._rejoin is not None and not _starting:
-            self._deferred.append(frame)  # sent once the coordinator knows us again
+        if self._rejoin.active and not _starting:
+            self._rejoin.deferred.append(frame)  # sent once the coordinator knows us again
             return
         if self._outbox:
             self._flush()  # keep order: queued submissions go before this message
@@ -258,7 +233,7 @@ class InferenceClient:
     def _flush(self) -> None:
         """Send the submissions queued this loop turn: one frame, or a few for a huge burst."""
         entries, self._outbox = self._outbox, []
-        if self._sock is None or self._stopped or not entries or self._rejoin is not None:
+        if self._sock is None or self._stopped or not entries or self._rejoin.active:
             return  # while handshaking again, the rows wait in _pending
         self._send_submissions(entries)
 
@@ -273,47 +248,10 @@ class InferenceClient:
         self._kick_soon()
 
     def _submit_frames(self, entries: list[tuple[list, int]]) -> list[bytes]:
-        """The frames for queued (row, bytes) entries, each under the coordinator's frame limit
-        (a row too large for it fails alone: only a limit lowered since it was queued does
-        that). add_request checked each row, so encoding cannot fail; if it does anyway, the
-        rows go one frame each and a row that cannot be encoded fails alone."""
-        sizes = [size for _, size in entries]
-        if max(sizes) + FRAME_OVERHEAD > self.max_frame_bytes:
-            entries = [(row, size) for row, size in entries if self._fits(row[0], size)]
-            sizes = [size for _, size in entries]
-        rows = [row for row, _ in entries]
-        try:
-            if len(rows) == 1:
-                return [encode_trusted(Headers.SUBMIT_REQUEST, *rows[0])]
-            if sum(sizes) <= self.max_frame_bytes // 2:  # the usual burst: rows bound it alone
-                return batch_frames(Headers.SUBMIT_BATCH, rows)
-            bounds = frame_bounds(sizes, self.max_frame_bytes)
-            frames = []
-            for start, stop in bounds:
-                if stop - start == 1:
-                    frames.append(encode_trusted(Headers.SUBMIT_REQUEST, *rows[start]))
-                else:
-                    frames += batch_frames(Headers.SUBMIT_BATCH, rows[start:stop])
-            return frames
-        except Exception:
-            pass
-        frames = []
-        for row in rows:
-            try:
-                frames.append(encode_trusted(Headers.SUBMIT_REQUEST, *row))
-            except Exception as e:
-                self._fail_request(row[0], RequestFailed(f"request {row[0]}: cannot be sent: {e}"))
-        return frames
+        return submission_frames(entries, self.max_frame_bytes, self._unsendable)
 
-    def _fits(self, crid: int, size: int) -> bool:
-        if size + FRAME_OVERHEAD <= self.max_frame_bytes:
-            return True
-        self._fail_request(crid, RequestFailed(self._too_large(crid, size)))
-        return False
-
-    def _too_large(self, crid: int, size: int) -> str:
-        return (f"request {crid} is {size} bytes on the wire, over the coordinator's frame "
-                f"limit (max_frame_bytes={self.max_frame_bytes}): send a shorter prompt")  # fmt: skip
+    def _unsendable(self, crid: int, why: str) -> None:
+        self._fail_request(crid, RequestFailed(why))
 
     def _fail_request(self, crid: int, exc: ClientError) -> None:
         fut = self._futures.pop(crid, None)
@@ -344,7 +282,7 @@ class InferenceClient:
                 return
             self._last_recv = time.monotonic()
             try:
-                header, fields = decode(frame)
+                header, fields = decode(frame, max(self.max_frame_bytes, MAX_FRAME_BYTES))
             except ProtocolError as e:
                 log.warning("client dropped malformed frame: %s", e)
                 continue
@@ -374,20 +312,20 @@ class InferenceClient:
         sp = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(sp, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
-        _check_routing_key(routing_key)
-        wire_prompt = _wire_prompt(prompt)
+        check_routing_key(routing_key)
+        wire = wire_prompt(prompt)
         try:
             sp_bytes = pack_obj(sp.serialize())
         except (ValueError, TypeError) as e:  # e.g. a stop word that is not valid UTF-8
             raise ValueError(f"sampling_params cannot be sent: {e}") from None
         if self._sock is None or self._stopped or not self._started:
             raise ClientStopped("client is not started or already stopped")
-        size = _row_bytes(wire_prompt, sp_bytes, routing_key)
+        size = row_bytes(wire, sp_bytes, routing_key)
         crid = next(self._ids)
         if size + FRAME_OVERHEAD > self.max_frame_bytes:
-            raise ValueError(self._too_large(crid, size))
-        row = [crid, wire_prompt, sp_bytes, sp.num_tokens_to_generate, bool(_stream), routing_key]
-        if self._rejoin is not None:
+            raise ValueError(too_large(crid, size, self.max_frame_bytes))
+        row = [crid, wire, sp_bytes, sp.num_tokens_to_generate, bool(_stream), routing_key]
+        if self._rejoin.active:
             pass  # handshaking again: sent with the other pending rows once acked
         elif self._turn_open:
             # the rest of this loop turn's burst leaves as SUBMIT_BATCH frames when the turn
@@ -430,7 +368,7 @@ class InferenceClient:
         crid = request if isinstance(request, int) else getattr(request, "request_id", None)
         if crid is None:
             raise ValueError("abort() takes a request id or a future from add_request()")
-        if crid in self._futures and self._rejoin is not None:  # not on the coordinator now
+        if crid in self._futures and self._rejoin.active:  # not on the coordinator now
             self._fail_request(crid, RequestAborted(f"request {crid}: aborted before it ran"))
         elif crid in self._futures:
             self._send(encode(Headers.ABORT_REQUEST, crid))
@@ -509,8 +447,8 @@ class InferenceClient:
             self._on_error(*fields)
         elif header is Headers.HEARTBEAT:
             self._on_membership(fields[0])
-        elif header is Headers.CONNECT_ACK and self._rejoin is not None:
-            self._rejoined(fields)
+        elif header is Headers.CONNECT_ACK and self._rejoin.active:
+            self._rejoin.acked(fields)
         else:
             log.warning("client ignored unexpected %s", header.name)
 
@@ -547,10 +485,10 @@ class InferenceClient:
 
     def _on_error(self, ref_header: int | None, ref_id: int | None, message: str) -> None:
         if message.startswith("unknown peer"):  # the coordinator forgot us: join again
-            self._start_rejoin(message)
+            self._rejoin.start(message)
             return
-        if ref_header == Headers.CONNECT and self._rejoin is not None:
-            self._end_rejoin(ClientStopped(f"coordinator refused this client's new handshake "
+        if ref_header == Headers.CONNECT and self._rejoin.active:
+            self._rejoin.end(ClientStopped(f"coordinator refused this client's new handshake "
                                            f"(it had forgotten it): {message}"))  # fmt: skip
             return
         if ref_header in (Headers.SUBMIT_REQUEST, Headers.ABORT_REQUEST):
@@ -571,68 +509,28 @@ class InferenceClient:
         self.errors.append(message)
         log.warning("coordinator error: %s", message)
 
-    # ---- joining again --------------------------------------------------------------------
-
-    def _start_rejoin(self, why: str) -> None:
-        """Handshake again; pending requests wait in `_pending` and are resent once acked. One
-        notice is enough: later ones (answers to frames sent before the new CONNECT) are moot."""
-        if self._rejoin is not None or self._stopped or not self._started:
-            return
-        log.warning("coordinator at %s forgot this client (%s): joining again", self.address, why)
-        self.errors.append(why)
-        self._outbox = []  # those rows are in _pending too
-        lost = "the coordinator forgot this client"
-        for crid in [c for c in self._streamed if c in self._futures]:
-            self._fail_request(crid, ConnectionReset(
-                f"request {crid}: {lost} while it streamed; its tokens so far stand, the rest "
-                f"is lost"))  # fmt: skip
-        for cid, fut in self._controls.items():
-            if not fut.done():
-                fut.set_exception(ConnectionReset(
-                    f"control {cid}: {lost} before it was acknowledged; it may or may not have "
-                    f"been applied (repeating it is safe)"))  # fmt: skip
-        self._controls.clear()
-        self._deferred = [encode(Headers.STATS, sid) for sid in self._stats]
-        self._rejoin = self._loop.call_later(self.handshake_timeout, self._end_rejoin,
-            ClientStopped(f"{lost} at {self.address} and it did not answer a new handshake "
-                          f"within {self.handshake_timeout}s"))  # fmt: skip
-        try:
-            self._send(encode(Headers.CONNECT, self.auth_token), _starting=True)
-        except zmq.ZMQError as e:
-            self._end_rejoin(ClientStopped(f"{lost} and the new handshake failed: {e}"))
-
-    def _rejoined(self, fields: list) -> None:
-        """CONNECT_ACK of the new handshake: resend what is pending, then what waited."""
-        self._rejoin.cancel()
-        self._rejoin = None
-        self.rejoins += 1
-        self.client_id, self.num_engines, self.heartbeat_s, self.max_frame_bytes = fields
-        entries = [(row, size) for _, row, size in self._pending.values()]
-        deferred, self._deferred = self._deferred, []
-        if entries:
-            self._send_submissions(entries)
-        for frame in deferred:
-            with contextlib.suppress(zmq.ZMQError):
-                self._send(frame)
-
-    def _end_rejoin(self, exc: ClientStopped) -> None:
-        """The new handshake failed: everything pending fails with `exc`. A later notice from
-        the coordinator starts another attempt."""
-        if self._rejoin is not None:
-            self._rejoin.cancel()
-        self._rejoin = None
-        self._deferred = []
-        self._fail_all(exc)
+    # ---- liveness -----------------------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
         hb = encode(Headers.HEARTBEAT, {})
         while True:
+            due = time.monotonic() + self.heartbeat_s
             await asyncio.sleep(self.heartbeat_s)  # a timer, not a poll: receives never wait on it
-            if time.monotonic() - self._last_recv > self.coordinator_timeout:
+            now = time.monotonic()
+            if self._coordinator_lost(now, now - due):
                 self._fail_all(ClientStopped(f"coordinator at {self.address} stopped answering"))
-            if self._rejoin is None:  # a heartbeat is how a forgotten client learns it
+            if not self._rejoin.active:  # a heartbeat is how a forgotten client learns it
                 with contextlib.suppress(zmq.ZMQError):
                     self._send(hb)
+
+    def _coordinator_lost(self, now: float, late_s: float) -> bool:
+        """The coordinator has been silent past `coordinator_timeout`, this client's own stalls
+        not counted (rollout.serving.stall): a client that was paused gives it a full timeout
+        from now, and its heartbeat makes a coordinator that forgot it say so (it then joins
+        again and its requests are replayed) instead of failing every request."""
+        if stalled(late_s, self.coordinator_timeout):
+            self._last_recv = max(self._last_recv, now)
+        return now - self._last_recv > self.coordinator_timeout
 
     # ---- teardown -----------------------------------------------------------------------
 
@@ -654,9 +552,7 @@ class InferenceClient:
         if self._stopped:
             return
         self._outbox = []  # never sent: those futures fail below like every other pending one
-        if self._rejoin is not None:
-            self._rejoin.cancel()
-            self._rejoin = None
+        self._rejoin.cancel()
         if self._sock is not None and self._started:
             with contextlib.suppress(zmq.ZMQError, ClientStopped):
                 self._send(encode(Headers.DISCONNECT))
@@ -682,21 +578,3 @@ class InferenceClient:
 
     async def __aexit__(self, *exc: Any) -> None:
         self.stop()
-
-
-def _row_bytes(prompt: str | bytes, sp_bytes: bytes, routing_key: str | None) -> int:
-    """An upper bound of a submission row's size on the wire."""
-    size = SUBMIT_ROW_OVERHEAD + len(sp_bytes)
-    for text in (prompt, routing_key or ""):
-        size += len(text) if type(text) is bytes or text.isascii() else len(text.encode())
-    return size
-
-
-def _check_routing_key(key: Any) -> None:
-    if key is None:
-        return
-    if not isinstance(key, str) or not 0 < len(key) <= MAX_ROUTING_KEY_CHARS:
-        raise ValueError(
-            f"routing_key must be None or a str of 1 to {MAX_ROUTING_KEY_CHARS} characters, "
-            f"got {key!r:.80}"
-        )

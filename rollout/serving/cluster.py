@@ -32,11 +32,12 @@ from torch import nn
 
 from rollout.engine.config import InferenceConfig
 from rollout.engine.interface import EngineLost
+from rollout.protocol import MAX_FRAME_BYTES
 from rollout.serving.auth import resolve_token
 from rollout.serving.client import InferenceClient
 from rollout.serving.coordinator import DataParallelInferenceCoordinator
 from rollout.serving.event_loop import EventLoopManager
-from rollout.serving.factory import build_engine, model_source_kwargs
+from rollout.serving.factory import build_engine, model_source_kwargs, routing_frame_bytes
 from rollout.serving.process_watch import ProcessWatch
 from rollout.serving.processes import stop_processes
 from rollout.serving.supervisor import EngineSupervisor, Event, RestartPolicy
@@ -135,6 +136,10 @@ class EngineCluster:
             if v is not None or k not in self.factory_kwargs:
                 self.factory_kwargs[k] = v
         self.coordinator_config = {**(coordinator or {}), "auth_token": auth_token}
+        if "max_frame_bytes" not in self.coordinator_config:  # sized from the model
+            routed = routing_frame_bytes(self.factory_kwargs)  # (routing replay's records)
+            if routed > MAX_FRAME_BYTES:
+                self.coordinator_config["max_frame_bytes"] = routed
         self.engine_factory = engine_factory
         self.weight_sync = weight_sync
         self.bucket_bytes = bucket_bytes

@@ -19,6 +19,7 @@ from torch import nn
 
 from rollout.engine.config import InferenceConfig, resolve_dtype
 from rollout.engine.engine import DynamicInferenceEngine
+from rollout.engine.routing import experts_dtype
 from rollout.models import (
     ModelConfig,
     build_model,
@@ -28,7 +29,9 @@ from rollout.models import (
     save_pretrained,
 )
 from rollout.models.config import MODEL_PRESETS
+from rollout.models.loader import load_config
 from rollout.models.lora import load_adapter, lora_spec, save_adapter
+from rollout.serving.replies import frame_bytes_for_routing
 from rollout.tokenizers import ByteTokenizer, load_tokenizer
 from rollout.weights.snapshot import load_snapshot
 from rollout.weights.state import as_state_dict
@@ -155,3 +158,21 @@ def _tokenizer_source(tokenizer: Any, kw: dict, tmp: Callable[[], Path]) -> str 
         return None
     raise ValueError(f"cannot hand tokenizer {type(tokenizer).__name__} to engine processes; "
                      "pass its directory")  # fmt: skip
+
+
+def routing_frame_bytes(factory_kwargs: Mapping[str, Any]) -> int:
+    """The frame limit a routing-replay record of the longest sequence needs with the model
+    `factory_kwargs` build (rollout.serving.replies.frame_bytes_for_routing); 0 for a dense
+    model or one whose config cannot be read here."""
+    source = factory_kwargs.get("model")
+    try:
+        config = (ModelConfig.preset(source) if source in MODEL_PRESETS
+                  else load_config(source))  # fmt: skip
+    except (TypeError, ValueError, OSError):
+        return 0
+    if not config.num_experts:
+        return 0
+    itemsize = torch.empty(0, dtype=experts_dtype(config.num_experts)).element_size()
+    row = config.num_hidden_layers * config.num_experts_per_tok * itemsize  # sparse or not
+    length = factory_kwargs.get("max_sequence_length", InferenceConfig.max_sequence_length)
+    return frame_bytes_for_routing(row, int(length))

@@ -9,6 +9,14 @@ shapes, the parameter count, the dtypes, and a fingerprint of every parameter's 
 dtype. The coordinator keeps the first registered engine's identity as the service's and refuses
 an engine whose identity differs (`mismatch` names what differs), so the misfit exits with that
 message and never becomes a member the others' updates wait for.
+
+The same architecture with other weights (base vs instruct, another step) has the same shapes:
+so the identity also holds `weights`, a digest of the weights computed at load (`weights_digest`:
+blake2b over a fixed sample of each tensor's bytes, 64 KiB of each). While no trainer pushes
+weights, the service's weights are its checkpoint's and an engine with another digest is refused
+(`refusal(..., weights_managed=False)`); once a trainer pushes them, the digest says nothing
+about what an engine will serve (the coordinator holds an engine until the trainer sent it the
+current weights), so it is not compared.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ SHAPE_KEYS = (
 # What `mismatch` compares, most telling first (the fingerprint catches what the rest miss)
 COMPARED = ("architecture", *SHAPE_KEYS, "parameters", "tensors", "dtypes", "fingerprint")
 MAX_ENTRIES = 32  # an identity is a small flat dict; anything larger is refused unread
+SAMPLE_CHUNKS, CHUNK_BYTES = 16, 4096  # the bytes of a tensor the weights digest reads
 Identity = dict[str, Any]
 
 
@@ -58,7 +67,29 @@ def model_identity(engine: Any) -> Identity:
         sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
     )
     ident["fingerprint"] = digest.hexdigest()[:16]
+    ident["weights"] = weights_digest(tensors)
     return ident
+
+
+def weights_digest(tensors: dict) -> str:
+    """blake2b of each tensor's name and a fixed sample of its bytes: all of a tensor up to
+    SAMPLE_CHUNKS * CHUNK_BYTES, else that many chunks evenly spread. Cheap (milliseconds for
+    the 'small' preset where hashing every byte takes ~0.5 s) and deterministic; two
+    checkpoints of one architecture differ in nearly every tensor, so any sample tells them
+    apart."""
+    import torch
+
+    digest = hashlib.blake2b(digest_size=8)
+    for name in sorted(tensors):
+        flat = tensors[name].detach().contiguous().reshape(-1).view(torch.uint8)
+        n = flat.numel()
+        if n > SAMPLE_CHUNKS * CHUNK_BYTES:
+            stride = (n - CHUNK_BYTES) // (SAMPLE_CHUNKS - 1)
+            flat = torch.cat([flat[i * stride : i * stride + CHUNK_BYTES]
+                              for i in range(SAMPLE_CHUNKS)])  # fmt: skip
+        digest.update(name.encode())
+        digest.update(flat.cpu().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def malformed(ident: Any) -> str | None:
@@ -92,15 +123,21 @@ def summary(ident: Identity) -> str:
     return f"{ident.get('architecture')} {fields} (fingerprint {ident.get('fingerprint')})"
 
 
-def refusal(engine: Any, service: Identity | None) -> str | None:
+def refusal(engine: Any, service: Identity | None, weights_managed: bool = False) -> str | None:
     """The coordinator's answer to a registration naming `engine` as its model, when the service
     serves `service` (None: this is the first engine, whose model becomes the service's): the
-    refusal message, or None to admit it."""
+    refusal message, or None to admit it. The weights digest is compared only while no trainer
+    pushes weights (`weights_managed` False)."""
     why = malformed(engine)
     if why is not None:
         return f"invalid registration: {why}"
     diff = None if service is None else mismatch(engine, service)
-    if diff is None:
+    if diff is not None:
+        return (f"model mismatch: this engine's model is not the service's ({diff}); "
+                f"start it with the model the service runs")  # fmt: skip
+    if service is None or weights_managed or engine.get("weights") == service.get("weights"):
         return None
-    return (f"model mismatch: this engine's model is not the service's ({diff}); "
-            f"start it with the model the service runs")  # fmt: skip
+    return (f"model mismatch: this engine's weights are not the service's (weights digest "
+            f"{engine.get('weights')!r} here, {service.get('weights')!r} in the service: another "
+            f"checkpoint of the same architecture); start it from the service's checkpoint, or "
+            f"attach a trainer that pushes its weights")  # fmt: skip

@@ -5,6 +5,13 @@ The coordinator's ROUTER drops the connection of a peer whose frame is larger th
 `max_frame_bytes`, so a step that finishes many long records goes out as several frames, and a
 record too large for any frame is replaced by a FAILED one saying why (it fails instead of
 vanishing).
+
+Routing replay makes records large (a big MoE model: 94 layers x top-8 is 752 bytes a token,
+64 MB near 85k tokens), and such a record would only fail once its whole generation is done.
+So its size is bounded up front (`routed_record_bound`): the engine worker refuses at once a
+routing-replay request whose record could pass the frame limit, and `EngineCluster` sizes its
+coordinator's limit from the model (`frame_bytes_for_routing`) so that a request of the longest
+sequence the engines accept fits.
 """
 
 from __future__ import annotations
@@ -20,6 +27,24 @@ from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestReco
 # frame beyond its rows: generous upper bounds, so a frame sized with them stays under the limit.
 ROW_OVERHEAD = 32
 FRAME_OVERHEAD = 64
+
+
+# A routing-replay record's bytes a token beyond its experts row (token id, log-prob, versions,
+# staleness; measured ~32) and a top-n log-prob's; the record's fixed part: upper bounds
+ROUTED_TOKEN_BYTES, TOP_N_BYTES, RECORD_FIXED_BYTES = 48, 24, 4096
+
+
+def routed_record_bound(tokens: int, row_bytes: int, top_n: int = 0) -> int:
+    """An upper bound of the serialized record of a routing-replay request of `tokens` tokens
+    (prompt and generated), each with an experts row of `row_bytes`."""
+    per_token = row_bytes + ROUTED_TOKEN_BYTES + TOP_N_BYTES * top_n
+    return tokens * per_token + RECORD_FIXED_BYTES + ROW_OVERHEAD + FRAME_OVERHEAD
+
+
+def frame_bytes_for_routing(row_bytes: int, max_sequence_length: int) -> int:
+    """The frame limit that carries the record of a routing-replay request of the longest
+    sequence (without top-n log-probs)."""
+    return routed_record_bound(max_sequence_length, row_bytes)
 
 
 def failed_record(request_id: int, error: BaseException) -> DynamicInferenceRequestRecord:

@@ -1,11 +1,13 @@
 """`EngineSupervisor`: restarts engine processes that die, with backoff and a limit.
 
 A thread blocks on the engine processes' sentinels (no polling). An engine that exits with code 0
-was told to stop and stays down. One that exits with `EXIT_STALE_WEIGHTS`, or that the cluster
-retired after a weight update it missed, restarts at once (it did nothing wrong). Any other exit
-is a crash: it restarts after `backoff_s * 2**k` (k = its restarts within the last `window_s`,
-capped at `backoff_max_s`), unless it already restarted `max_restarts` times within `window_s`:
-then it stays down, and the supervisor reports it as given up (the others keep serving).
+was told to stop and stays down. Every other exit restarts it after `backoff_s * 2**k` (k = its
+restarts within the last `window_s`, capped at `backoff_max_s`), unless it already restarted
+`max_restarts` times within `window_s`: then it stays down, and the supervisor reports it as
+given up (the others keep serving). One that exits with `EXIT_STALE_WEIGHTS`, or that the
+cluster retired after a weight update it missed, did nothing wrong: its first restart in the
+window is immediate, but it counts like any other, so nothing (a forged or replayed committed
+version in the weight store, say) can make an engine restart forever.
 One the coordinator refused (`EXIT_REFUSED`: another model than the service's) is given up at
 once: the same process would be refused again.
 The callback that builds the new process decides what it loads (the cluster's latest weights).
@@ -81,7 +83,7 @@ class EngineSupervisor:
         self.stale_restarts = 0
         self.gave_up: set[int] = set()
         self.stopped: set[int] = set()  # exited 0: told to stop
-        self._history: list[list[float]] = [[] for _ in processes]  # crash restart times
+        self._history: list[list[float]] = [[] for _ in processes]  # restart times
         self._due: dict[int, float] = {}  # rank -> when to restart
         self._retiring: dict[int, float] = {}  # rank -> when to SIGKILL
         self._lock = threading.Lock()
@@ -176,12 +178,9 @@ class EngineSupervisor:
         now = time.monotonic()
         retired = self._retiring.pop(rank, None) is not None
         self._emit("exited", rank, {"pid": proc.pid, "exitcode": code})
+        stale = retired or code == EXIT_STALE_WEIGHTS
         with self._lock:
-            if retired or code == EXIT_STALE_WEIGHTS:
-                self.stale_restarts += 1
-                self._due[rank] = now
-                return
-            if code == 0:
+            if code == 0 and not retired:
                 self.stopped.add(rank)
                 return
             history = self._history[rank]
@@ -189,7 +188,9 @@ class EngineSupervisor:
             if len(history) >= self.policy.max_restarts or code == EXIT_REFUSED:
                 self.gave_up.add(rank)
             else:
-                self._due[rank] = now + self.policy.delay(len(history))
+                self.stale_restarts += stale
+                first_stale = stale and not history
+                self._due[rank] = now + (0.0 if first_stale else self.policy.delay(len(history)))
                 history.append(now)
         if rank in self.gave_up:
             log.error("engine rank %d exited (code %s) after %d restarts within %.0fs: giving up",

@@ -63,8 +63,15 @@ from rollout.serving.curve import connect_dealer
 from rollout.serving.gc_tuning import freeze_startup_heap
 from rollout.serving.model_identity import model_identity
 from rollout.serving.processes import exit_on_signal, spawn_child
-from rollout.serving.replies import ROW_OVERHEAD, failed_record, frame_bounds, record_bytes
+from rollout.serving.replies import (
+    ROW_OVERHEAD,
+    failed_record,
+    frame_bounds,
+    record_bytes,
+    routed_record_bound,
+)
 from rollout.serving.resume import resume_record, resume_routing
+from rollout.serving.stall import stalled
 from rollout.tokenizers import tokenize_with
 from rollout.weights.engine_sync import EngineWeightSync
 from rollout.weights.trust import weight_key
@@ -194,10 +201,13 @@ class EngineWorker:
             self.suspended = None
 
     def _check_committed_version(self) -> None:
+        """Stale only when behind: an engine newer than the committed version (restarted from
+        the snapshot of an update still being committed, or shown a replayed old value) is
+        not, and restarting it would only load the same weights again."""
         if self.sync is None:
             return
         committed = self.sync.committed_version()
-        if committed is not None and committed != self.weight_version:
+        if committed is not None and committed > self.weight_version:
             raise StaleWeights(
                 f"engine rank {self.rank} holds weight version {self.weight_version}, the "
                 f"trainer committed {committed}: it must restart from the current weights"
@@ -246,7 +256,7 @@ class EngineWorker:
                 return
             self._last_recv = time.monotonic()
             try:
-                header, fields = decode(frame)
+                header, fields = decode(frame, max(self.max_frame_bytes, MAX_FRAME_BYTES))
             except ProtocolError as e:
                 log.warning("engine rank %d dropped malformed frame: %s", self.rank, e)
                 continue
@@ -307,11 +317,33 @@ class EngineWorker:
                     return
                 self.engine.add_request(rid, record=record)
             else:
+                self._check_routed_size(tokens, sp)
                 forwarded = self._forwarded_hashes(tokens, hashes)
                 self.engine.add_request(rid, tokens, sp, precomputed_block_hashes=forwarded)
             self.active.add(rid)
         except (ValueError, ProtocolError) as e:
             self._send_replies([failed_record(rid, e)])
+
+    def _check_routed_size(self, prompt: Any, sp: SamplingParams) -> None:
+        """Refuse now (ValueError) a routing-replay request whose record could pass the frame
+        limit: it would otherwise fail only after its whole generation."""
+        routing = getattr(self.engine, "routing", None)
+        if not sp.return_routed_experts or routing is None:
+            return
+        row = routing.layers * routing.k * torch.empty(0, dtype=routing.dtype).element_size()
+        # a text prompt has at most one token a byte (plus BOS)
+        n = len(prompt.encode()) + 1 if isinstance(prompt, str) else len(prompt)
+        n += sp.num_tokens_to_generate
+        cap = getattr(getattr(self.engine, "config", None), "max_sequence_length", None)
+        n = min(n, cap) if isinstance(cap, int) else n
+        need = routed_record_bound(n, row, sp.top_n_logprobs)
+        if need > self.max_frame_bytes:
+            raise ValueError(
+                f"routing replay of up to {n} tokens ({row} bytes of experts a token) needs a "
+                f"reply of up to {need} bytes, over the coordinator's frame limit "
+                f"(max_frame_bytes={self.max_frame_bytes}): ask fewer tokens, or start the "
+                f"coordinator with max_frame_bytes >= {need}"
+            )
 
     def _forwarded_hashes(self, tokens: Any, packed: bytes | None) -> list[int] | None:
         """The coordinator's block hashes of a token prompt (hashed once, there), when they were
@@ -457,7 +489,7 @@ class EngineWorker:
         now = time.monotonic()
         if now < self._next_hb:
             return
-        if now - self._next_hb > self.coordinator_timeout_s / 2:
+        if stalled(now - self._next_hb, self.coordinator_timeout_s):
             # This process did not run (stopped, or one very long step): the silence is ours,
             # so give the coordinator a full timeout to answer before presuming it gone.
             self._last_recv = now

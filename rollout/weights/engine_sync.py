@@ -62,6 +62,9 @@ class EngineWeightSync:
         self.receiver: Any = None
         self.abort: Abort | None = None
         self.received: tuple[int, int] | None = None  # (version, digest) of the last applied
+        # the highest committed version known (TUF-style: versions only go up): the trainer's
+        # at spawn, through the process arguments (not the store), then each one verified
+        self.committed: int | None = info.get("committed")
         self._active: Any = None  # the receiver of the transfer in progress
         # staged updates (rollout.serving.between_steps): runs the flip on the engine's thread
         self.between_steps: Callable[[Callable[[], Any]], Any] | None = None
@@ -74,8 +77,19 @@ class EngineWeightSync:
         return self.store
 
     def committed_version(self) -> int | None:
-        """The version the trainer last applied to every member; None before the first update
-        (or when the key holds what the trainer did not MAC: ignored)."""
+        """The version the trainer last applied to every member; None before the first update.
+        The MAC proves the value's origin, not its freshness: a MACed value older than one
+        already known (replayed by a local process that saved it) is a rollback and ignored,
+        as is a value the trainer did not MAC."""
+        version = self._stored_committed()
+        if version is not None and self.committed is not None and version < self.committed:
+            log.warning("ignoring a rolled-back committed weight version %d (known: %d)",
+                        version, self.committed)  # fmt: skip
+        elif version is not None:
+            self.committed = version
+        return self.committed
+
+    def _stored_committed(self) -> int | None:
         store = self._store()
         if not store.check([COMMITTED_KEY]):
             return None
@@ -133,6 +147,7 @@ class EngineWeightSync:
         self.store = None
         self.info.update(host=a["host"], port=a["port"], timeout_s=a.get("timeout_s", 300.0))
         self.store_id = a.get("store")
+        self.committed = None  # another trainer's versions: known from its store from now on
 
     def _group(self, gen: str, backend: str, ranks: list[int]) -> None:
         if gen == self.generation:

@@ -90,6 +90,7 @@ class TrainerWeightSync:
         self.ipc: IpcSender | None = None
         self.ipc_payload: bytes | None = None  # the staged buckets of the update in flight
         self.digest: int | None = None  # the last transfer's (layout.transfer_digest)
+        self.committed: int | None = None  # the last `commit`: what spawned engines start from
 
     def transport_for(self, sd: Mapping[str, torch.Tensor]) -> str:
         """ "ipc" or "broadcast" for an update of `sd` (engines are this host's processes)."""
@@ -170,9 +171,10 @@ class TrainerWeightSync:
         return infos, time.perf_counter() - t0
 
     def worker_info(self, rank: int) -> dict[str, Any]:
-        """What a spawned engine starts with: this store (for the committed version)."""
+        """What a spawned engine starts with: this store, and the committed version (its
+        floor: a rolled-back value in the store is then refused)."""
         return {"host": self.host, "port": self.store.port, "timeout_s": self.timeout_s,
-                "store": self.store_id, "rank": rank}  # fmt: skip
+                "store": self.store_id, "rank": rank, "committed": self.committed}  # fmt: skip
 
     def announcement(self, version: int) -> dict[str, Any]:
         """The update sent with SET_WEIGHT_VERSION: where this store is (an engine that joined
@@ -201,6 +203,7 @@ class TrainerWeightSync:
         compare theirs with it), MACed: a forged one would make every new engine quit."""
         tag = sign(self.key, COMMITTED, [self.store_id, version])
         self.store.set(COMMITTED_KEY, msgpack.packb([version, tag]))
+        self.committed = version
 
     def send(self, sd: dict[str, torch.Tensor], version: int, on_bucket: Any) -> Any:
         """Broadcast `sd` to this generation's group (formed on first use); `abort_transfer`

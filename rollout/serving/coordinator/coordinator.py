@@ -8,6 +8,9 @@ Bad input is counted and answered (or dropped), never fatal.
 
 Peers authenticate with a shared secret by default (rollout.serving.auth); until a peer has, its frames
 pass `Admission`, which drops anything but a small handshake undecoded and rate-limits refusals.
+The handshakes themselves (what a CONNECT or an ENGINE_REGISTER admits) are
+rollout.serving.coordinator.handshakes; the socket, CURVE and its ZAP gate are
+rollout.serving.coordinator.socket.
 """
 
 from __future__ import annotations
@@ -36,13 +39,13 @@ from rollout.protocol import (
 from rollout.serving.auth import new_token, resolve_token
 from rollout.serving.coordinator.admission import Admission
 from rollout.serving.coordinator.config import CoordinatorConfig
+from rollout.serving.coordinator.handshakes import Handshakes
 from rollout.serving.coordinator.peers import ClientPeer, EnginePeer, Pending, PendingControl
 from rollout.serving.coordinator.requests import RequestPath
 from rollout.serving.coordinator.routing import Router
+from rollout.serving.coordinator.socket import open_router
 from rollout.serving.coordinator.state import CoordinatorState, InvalidTransition, next_state
-from rollout.serving.curve import secure_router, server_uses_curve
 from rollout.serving.gc_tuning import freeze_startup_heap
-from rollout.serving.model_identity import refusal, summary
 from rollout.serving.processes import exit_on_signal, spawn_child
 
 log = logging.getLogger(__name__)
@@ -67,27 +70,10 @@ class DataParallelInferenceCoordinator:
         self.admission = Admission(
             self.auth_token, cfg.max_auth_failures_per_peer, cfg.refusals_per_s
         )
-        self.ctx = zmq.Context()
-        self.socket = self.ctx.socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unreachable peer -> error, not drop
-        self.socket.setsockopt(zmq.SNDHWM, 0)
-        self.socket.setsockopt(zmq.RCVHWM, 0)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        # zmq refuses a bigger frame from its size header and drops that connection, before
-        # buffering it: a peer cannot make us hold a huge frame it trickles in
-        self.socket.setsockopt(zmq.MAXMSGSIZE, cfg.max_frame_bytes)
         self.counters: Counter[str] = Counter()
-        # CURVE beyond loopback (rollout.serving.curve): strangers fail ZeroMQ's handshake
-        self.curve = server_uses_curve(cfg.host, self.auth_token, cfg.curve)
-        self.zap = (
-            secure_router(self.socket, self.auth_token, self.counters) if self.curve else None
-        )
-        if cfg.port:
-            self.socket.bind(f"tcp://{cfg.host}:{cfg.port}")
-            port = cfg.port
-        else:
-            port = self.socket.bind_to_random_port(f"tcp://{cfg.host}")
-        self.address = f"tcp://{cfg.host}:{port}"
+        # the ROUTER, with CURVE beyond loopback (rollout.serving.coordinator.socket)
+        self.wire = open_router(cfg, self.auth_token, self.counters)
+        self.socket, self.address, self.curve = self.wire.socket, self.wire.address, self.wire.curve
         self.router = Router(cfg.policy, cfg.alpha, cfg.max_hash_entries, cfg.deterministic)
         self.state = CoordinatorState.RUNNING
         # The version label: the last SET_WEIGHT_VERSION, else the first engine's. Label-only
@@ -111,7 +97,7 @@ class DataParallelInferenceCoordinator:
             self._send_engine, self._send_client, self._error,
         )  # fmt: skip
         self._next_control = 0
-        self._next_peer = 0
+        self.handshakes = Handshakes(self)
         self._running = False
         self._closed = False
         self._handlers = {
@@ -181,16 +167,12 @@ class DataParallelInferenceCoordinator:
         """Serve until SHUTDOWN. Blocks in zmq poll (no sleeps); ticks drive heartbeats."""
         self._running = True
         sock, tick = self.socket, self.config.heartbeat_s / 2
-        poller = zmq.Poller()  # one Poller for the loop: Socket.poll builds a new one per call
-        poller.register(sock, zmq.POLLIN)
-        if self.zap is not None:  # CURVE handshakes wait for its verdicts
-            poller.register(self.zap.socket, zmq.POLLIN)
+        poller = self.wire.poller()
         next_tick = time.monotonic() + tick
         while self._running:
             wait_ms = max(0, int((next_tick - time.monotonic()) * 1000))
             if poller.poll(wait_ms):
-                if self.zap is not None:
-                    self.zap.answer()
+                self.wire.answer_zap()
                 for _ in range(4096):
                     try:
                         parts = sock.recv_multipart(zmq.NOBLOCK)
@@ -211,10 +193,7 @@ class DataParallelInferenceCoordinator:
         self._closed = True
         self._running = False
         self.write_schedule()
-        self.socket.close(linger=0)
-        if self.zap is not None:
-            self.zap.close()
-        self.ctx.term()
+        self.wire.close()
 
     def write_schedule(self) -> None:
         path = self.config.schedule_output_path
@@ -270,7 +249,7 @@ class DataParallelInferenceCoordinator:
             client.last_seen = now
             handler = self._handlers.get(header)
             if header is Headers.CONNECT:
-                self._on_connect(identity, fields)
+                self.handshakes.connect(identity, fields)
                 return
         else:
             engine = self.engines.get(identity)
@@ -281,14 +260,16 @@ class DataParallelInferenceCoordinator:
                     handler(engine, fields)
                     return
             elif header is Headers.CONNECT:
-                self._on_connect(identity, fields)
+                self.handshakes.connect(identity, fields)
                 return
             elif header is Headers.ENGINE_REGISTER:
-                self._on_register(identity, fields)
+                self.handshakes.register(identity, fields)
                 return
             else:
                 self.counters["unknown_peer"] += 1
-                self._refuse(identity, header, "unknown", "unknown peer: send CONNECT first")
+                self.handshakes.refuse(
+                    identity, header, "unknown", "unknown peer: send CONNECT first"
+                )
                 return
         if handler is None:
             self.counters["unexpected"] += 1
@@ -321,89 +302,6 @@ class DataParallelInferenceCoordinator:
     def _send_client(self, identity: bytes, frame: bytes) -> None:
         if not self._send(identity, frame) and identity in self.clients:
             self._remove_client(identity, "unreachable")
-
-    # ---- handshakes ---------------------------------------------------------------------
-
-    def _refuse(self, identity: bytes, header: Headers, kind: str, message: str) -> None:
-        """ERROR to a peer that is not (or no longer) admitted, within the refusal rate limit."""
-        if self.admission.may_refuse(kind):
-            self._error(identity, header, None, message)
-        else:
-            self.counters["refusals_unanswered"] += 1
-
-    def _auth_ok(self, identity: bytes, header: Headers, token) -> bool:
-        if self.admission.check(identity, token):
-            return True
-        self.counters["auth_failures"] += 1
-        self._refuse(identity, header, "auth", "authentication failed: bad or missing auth token")
-        return False
-
-    def _on_connect(self, identity: bytes, fields: list) -> None:
-        if not self._auth_ok(identity, Headers.CONNECT, fields[0]):
-            return
-        client = self.clients.get(identity)
-        if client is None:
-            self._next_peer += 1
-            client = ClientPeer(identity, self._next_peer, time.monotonic())
-            self.clients[identity] = client
-            self.counters["clients_connected"] += 1
-        live = sum(not e.stopped for e in self.engines.values())
-        ack = encode(Headers.CONNECT_ACK, client.client_id, live, self.config.heartbeat_s,
-                     self.config.max_frame_bytes)  # fmt: skip
-        self._send(identity, ack)
-
-    def _on_register(self, identity: bytes, fields: list) -> None:
-        rank, capacity, version, token, block_size, model, version_is_label = fields
-        if not self._auth_ok(identity, Headers.ENGINE_REGISTER, token):
-            return
-        misfit = refusal(model, self.model)
-        if misfit is not None:
-            self.counters["engines_refused_model"] += 1
-            log.warning("engine rank %d refused: %s", rank, misfit)
-            self._error(identity, Headers.ENGINE_REGISTER, None, misfit)
-            return
-        if rank < 0 or capacity < 0 or block_size < 1:
-            self._error(
-                identity,
-                Headers.ENGINE_REGISTER,
-                None,
-                f"invalid registration: rank={rank} capacity={capacity} block_size={block_size}",
-            )
-            return
-        if self.state is CoordinatorState.STOPPING:
-            self._error(identity, Headers.ENGINE_REGISTER, None, "coordinator is stopping")
-            return
-        self._next_peer += 1
-        engine = EnginePeer(identity, self._next_peer, rank, capacity, version, block_size, 0.0)
-        engine.last_seen = time.monotonic()
-        self.engines[identity] = engine
-        if self.model is None:
-            self.model = model
-            log.info("service model: %s", summary(model))
-        # a label on checkpoint weights says nothing once a trainer pushes weights
-        engine.syncing = self.weights_managed and (
-            version_is_label or version != self.weight_version
-        )
-        if engine.syncing:
-            self.counters["engines_held_for_weights"] += 1
-        else:
-            self.router.add_engine(identity, rank)
-        if self.request_path.block_size is None:
-            self.request_path.block_size = block_size
-        if self.weight_version is None:
-            self.weight_version = version
-        self.counters["engines_registered"] += 1
-        ack = encode(
-            Headers.ENGINE_REGISTER_ACK,
-            engine.engine_id,
-            self.config.heartbeat_s,
-            self.state.value,
-            self.weight_version,
-            self.config.max_frame_bytes,
-        )
-        if self._send_engine(engine, ack) and not engine.syncing:
-            self._dispatch_orphans()
-        self._announce_membership()
 
     def _dispatch_orphans(self) -> None:
         for p in list(self.orphans.values()):
