@@ -183,6 +183,8 @@ class DynamicInferenceEngine:
             return record
         sp = req.sampling_params
         seed = sp.seed if sp.seed is not None else self._next_seed()
+        if sp.seed is None:  # recorded: a checkpoint, a re-dispatch and a replay keep the stream
+            req.sampling_params = sp = sp.replace(seed=seed)
         full = req.prompt_length // self.config.block_size
         if given is not None and len(given) > full:
             raise ValueError(
