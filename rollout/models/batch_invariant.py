@@ -224,15 +224,18 @@ def _ordered_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def log_softmax(logits: torch.Tensor, temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
-    """log_softmax(logits / t) over the last dim in fp32; `temperature` a float or one value
-    per row ([B] for logits [B, V]); no divide where every t is exactly 1.0."""
+    """log_softmax(logits / t) over the last dim in fp32; `temperature` a number or one fp32
+    value per row (a [B] tensor for logits [B, V]). The divide is skipped for the number 1.0
+    (x / 1.0 == x exactly, so a tensor of ones gives the same bits)."""
     x = logits.float()
-    t = torch.as_tensor(temperature, dtype=torch.float32, device=x.device)
-    if bool((t == 1.0).all()):
+    if isinstance(temperature, torch.Tensor):
+        t = temperature.to(device=x.device, dtype=torch.float32)
+        if t.dim() == 1:
+            t = t.view(-1, *([1] * (x.dim() - 1)))
+        return torch.log_softmax(x / t, dim=-1)
+    if temperature == 1.0:
         return torch.log_softmax(x, dim=-1)
-    if t.dim() == 1:
-        t = t.view(-1, *([1] * (x.dim() - 1)))
-    return torch.log_softmax(x / t, dim=-1)
+    return torch.log_softmax(x / torch.tensor(temperature, dtype=torch.float32), dim=-1)
 
 
 def token_log_probs(
