@@ -69,10 +69,16 @@ class EngineBrokenError(RuntimeError):
     """Steps keep failing whatever requests they hold: the process should be restarted."""
 
 
-def enable_batch_invariant(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+def set_batch_invariant(
+    model: nn.Module, on: bool, dtype: torch.dtype, device: torch.device
+) -> None:
     """Switch `model` to the batch-invariant ops after checking this machine gives them
     (rollout.models.batch_invariant.check_machine raises BatchInvariantUnsupported naming the
-    op); ValueError for a model without the mode."""
+    op), or back to the default ops; ValueError for a model without the mode."""
+    if not on:
+        if hasattr(model, "batch_invariant"):
+            model.batch_invariant = False
+        return
     if not hasattr(model, "batch_invariant"):
         raise ValueError(
             "InferenceConfig.batch_invariant needs a rollout.models.DecoderLM "
@@ -114,8 +120,7 @@ class DynamicInferenceEngine:
         if param.device != device or param.dtype != dtype:
             model.to(device=device, dtype=dtype)
         self.model = model.eval()
-        if config.batch_invariant:
-            enable_batch_invariant(self.model, dtype, device)
+        set_batch_invariant(self.model, config.batch_invariant, dtype, device)
         backend = config.resolve_attention_backend(device)
         graphs = DecodeGraphs.for_engine(self.model, config, device, backend)
         self.runner = ModelRunner(self.model, graphs, attention_backend=backend)
