@@ -198,9 +198,38 @@ def test_own_model_replays_through_the_chosen_override():
     assert all(type(r).forward is r.forward.__func__ for r in moe_routers(model))  # restored
 
 
+def tie_free_hf(seed: int = 0):
+    """`near_tie_hf` with random routers: no exact ties, so tiny numeric differences between
+    two code paths (the CPU's GEMM kernels differ by batch shape) do not flip experts."""
+    hf = near_tie_hf(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for router in moe_routers(hf):
+            router.weight.copy_(torch.randn(router.weight.shape, generator=g))
+    return hf
+
+
+CLEAR_MARGIN = 1e-3  # a greedy pick this far ahead of the runner-up survives 1e-6 path noise
+
+
+def agreeing_prefix(a: DynamicInferenceRequest, b: DynamicInferenceRequest) -> int:
+    """How many leading tokens two greedy runs must agree on in default mode: up to (and
+    including) the first whose top-2 log-probs are within CLEAR_MARGIN in either run. Exact
+    equality beyond a near tie would depend on the machine's GEMM kernels (issue 28); the
+    batch-invariant mode compares every token bit for bit."""
+    for i, (ta, tb) in enumerate(
+        zip(a.generated_top_n_logprobs, b.generated_top_n_logprobs, strict=True)
+    ):
+        for top in (ta, tb):
+            first, second = sorted(top.values(), reverse=True)[:2]
+            if first - second < CLEAR_MARGIN:
+                return i + 1
+    return len(a.generated_tokens)
+
+
 def test_static_decode_path_records_the_same_experts_as_the_eager_path():
-    hf = near_tie_hf()
-    sp = replay_params(temperature=0.0)
+    hf = tie_free_hf()
+    sp = replay_params(temperature=0.0, top_n_logprobs=2)
     eager = engine_for(hf).generate(PROMPTS, sp)
     engine = engine_for(hf)
     model = engine.model
@@ -209,8 +238,12 @@ def test_static_decode_path_records_the_same_experts_as_the_eager_path():
     static = engine.generate(PROMPTS, sp)
     assert engine.runner.graphs.counters["eager"] > 0
     for a, b in zip(eager, static, strict=True):
-        assert a.generated_tokens == b.generated_tokens
-        assert torch.equal(torch.stack(a.routed_experts), torch.stack(b.routed_experts))
+        n = agreeing_prefix(a, b)
+        assert n >= 4, n  # the comparison is not vacuous
+        assert a.generated_tokens[:n] == b.generated_tokens[:n]
+        assert a.generated_log_probs[:n] == pytest.approx(b.generated_log_probs[:n], abs=1e-4)
+        assert torch.equal(torch.stack(a.routed_experts[:n]), torch.stack(b.routed_experts[:n]))
+        assert torch.equal(a.prompt_routed_experts, b.prompt_routed_experts)
 
 
 def test_prefix_cache_hit_takes_the_cached_blocks_experts():
