@@ -26,12 +26,11 @@ WEIGHTS = {v: _weights(v) for v in range(4)}
 
 
 def _config(kv_policy: str = "recompute", **kw) -> InferenceConfig:
-    return InferenceConfig(num_blocks=128, block_size=8, max_requests=16,
-                           max_tokens_per_step=256, kv_policy=kv_policy, batch_invariant=True,
-                           **kw)  # fmt: skip
+    base = {"num_blocks": 128, "block_size": 8, "max_requests": 16, "max_tokens_per_step": 256}
+    return InferenceConfig(kv_policy=kv_policy, batch_invariant=True, **{**base, **kw})
 
 
-def _samples_across_updates(kv_policy: str, updates: int = 3, **icfg):
+def _samples_across_updates(kv_policy: str, updates: int = 3, suspend_mode="offload", **icfg):
     """Six unseeded samples at T=1, longer ones in flight across `updates` weight updates."""
     model = build_model(CFG)
     model.load_state_dict(WEIGHTS[0])
@@ -41,7 +40,7 @@ def _samples_across_updates(kv_policy: str, updates: int = 3, **icfg):
         num_tokens_to_generate=n)} for i, n in enumerate(lengths)]  # fmt: skip
     got = []
     manager = RolloutManager(model=model, inference_config=_config(kv_policy, **icfg),
-                             max_inflight_groups=len(prompts))  # fmt: skip
+                             max_inflight_groups=len(prompts), suspend_mode=suspend_mode)  # fmt: skip
     with manager as m:
         source = iter(prompts)
         for step in range(len(prompts)):

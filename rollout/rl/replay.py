@@ -201,7 +201,7 @@ class Replayer:
 
     def close(self) -> None:
         for engine in self._engines.values():
-            engine.shutdown()
+            engine.close()
         self._engines.clear()
 
 
