@@ -155,11 +155,15 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=int, default=64)
     p.add_argument("--streaming-interval", type=int, default=8,
                    help="tokens between partial replies (also failover checkpoints); 0 = off")  # fmt: skip
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="each row's logits and log-probs the same bits whatever shares its "
+                   "batch (README: Batch-invariant mode)")  # fmt: skip
 
 
 def _engine_config(args: argparse.Namespace) -> dict:
     return {"block_size": args.block_size, "max_requests": args.max_requests,
-            "streaming_interval": args.streaming_interval}  # fmt: skip
+            "streaming_interval": args.streaming_interval,
+            "batch_invariant": args.batch_invariant}  # fmt: skip
 
 
 def _add_engine(sub: argparse._SubParsersAction) -> None:

@@ -27,6 +27,16 @@ def test_parser_has_serve_subcommand():
         build_parser().parse_args(["serve", "--model", "tiny", "--policy", "random"])
 
 
+def test_batch_invariant_flag_reaches_the_engine_config():
+    from rollout.cli import _engine_config
+
+    for argv, want in ((["serve", "--model", "tiny", "--batch-invariant"], True),
+                       (["engine", "--coordinator", "tcp://h:1", "--model", "tiny", "--rank", "0",
+                         "--batch-invariant"], True),
+                       (["serve", "--model", "tiny"], False)):  # fmt: skip
+        assert _engine_config(build_parser().parse_args(argv))["batch_invariant"] is want
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

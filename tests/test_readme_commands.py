@@ -57,6 +57,7 @@ COVERED = {
     "engine=gpu": "test_engine_gpu",
     "rollout serve --model DIR|tiny --dp N [--port P] [--policy NAME]": "test_serve_synopsis",
     "rollout serve --model DIR --host 0.0.0.0": "test_serve_with_remote_engine",
+    "rollout serve --model DIR --batch-invariant": "test_serve_batch_invariant",
     "rollout engine --coordinator tcp://HOST:PORT --rank R --model DIR --auth-token-file FILE": "test_serve_with_remote_engine",
     "python -m recipes.grpo_reverse rollout.coordinator_address=tcp://HOST:PORT rollout.dp=2 coordinator.token_file=FILE coordinator.weight_sync_host=TRAINER_ADDR": "test_serve_with_remote_engine",
     "python -m recipes.grpo_reverse -m hydra/launcher=submitit_slurm trainer.lr=1e-3,3e-3": "test_slurm_sweep_row",
@@ -74,6 +75,7 @@ SNIPPETS = {
     "### OpenAI-compatible HTTP": "test_http_section",
     "### TRL's GRPOTrainer": "test_trl_snippet",
     "### Routing replay for MoE models (R3)": "test_routing_replay_snippet",
+    "### Batch-invariant mode": "test_batch_invariant_snippet",
 }
 # README commands no test runs, each with the reason; keep this short.
 NOT_RUN = {
@@ -513,6 +515,35 @@ def test_serve_synopsis():
         assert serve.stop() == 0
 
 
+@pytest.mark.timeout(300)
+def test_serve_batch_invariant():
+    """`rollout serve --model tiny --batch-invariant`: a prompt's log-probs are the same bits
+    alone and inside a crowd of other prompts on the served engine."""
+    argv, env = argv_of(readme_command("test_serve_batch_invariant"), DIR="tiny")
+    with Proc(argv, env) as serve:
+        address = serve.read_until(r"coordinator (tcp://\S+) pid")[1]
+        serve.read_until(r"^ready: 1 engine")
+        token = peer_token(serve, argv, env)
+
+        async def needle() -> tuple[list[float], list[float]]:
+            client = await InferenceClient(address, auth_token=token).start()
+            try:
+                sp = SamplingParams(temperature=0.0, num_tokens_to_generate=5,
+                                    return_log_probs=True, ignore_eos=True)  # fmt: skip
+                prompt = [3, 1, 4, 1, 5, 9, 2]
+                alone = (await client.add_request(prompt, sp)).merge()
+                crowd = [[i + 7] * (3 + 5 * i) for i in range(6)]
+                crowd.insert(4, prompt)
+                recs = await asyncio.gather(*[client.add_request(p, sp) for p in crowd])
+                return alone.generated_log_probs, recs[4].merge().generated_log_probs
+            finally:
+                client.stop()
+
+        alone, in_crowd = asyncio.run(needle())
+        assert len(alone) == 5 and alone == in_crowd
+        assert serve.stop() == 0
+
+
 def test_http_section():
     """The HTTP section as written: serve with --http-port, the curl line, the openai block
     (DIR -> tiny, port 8000 -> a free one)."""
@@ -545,6 +576,20 @@ def exec_snippet(heading: str, names: dict, **placeholders: str) -> dict:
     namespace = dict(names)
     exec(compile(code, f"README.md: {heading}", "exec"), namespace)
     return namespace
+
+
+def test_batch_invariant_snippet():
+    """The batch-invariant block as written: its own assert is the check; the dense forward
+    of the same model then scores the generated tokens with the same bits."""
+    from rollout.models import batch_invariant as bi
+
+    ns = exec_snippet("### Batch-invariant mode", {})
+    alone = ns["alone"]
+    tokens = torch.tensor([[1, 2, 3, *alone.generated_tokens]])
+    with torch.no_grad():
+        logits = ns["model"](tokens)  # the engine set model.batch_invariant
+    lp = bi.token_log_probs(logits[0, 2:-1], tokens[0, 3:])
+    assert torch.equal(lp, torch.tensor(alone.generated_log_probs, dtype=torch.float32))
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rollout.models import batch_invariant as bi
 from rollout.models.moe import Router
 
 
@@ -77,7 +78,7 @@ def _replaying(router: nn.Module, experts: torch.Tensor, mask: torch.Tensor):
                 f"routing replay: the forward routes {x.shape[0]} tokens, the recorded experts "
                 f"cover {experts.shape[0]} (B * T of the collated batch)"
             )
-        logits = F.linear(x, router.weight)
+        logits = (bi.linear if bi.active() else F.linear)(x, router.weight)  # as the engine
         probs = F.softmax(logits, dim=-1, dtype=torch.float)
         own = torch.topk(probs, router.top_k, dim=-1).indices
         m = mask.to(x.device)

@@ -100,6 +100,7 @@ def inference_config(run: RunConfig) -> InferenceConfig:
         streaming_interval=e.streaming_interval, cuda_graphs=e.cuda_graphs,
         async_scheduling=e.async_scheduling,
         attention_backend=e.attention_backend.value,
+        batch_invariant=e.batch_invariant,
         device=str(resolve_device(run)),
         dtype=run.model.dtype.value,
     )  # fmt: skip

@@ -83,6 +83,7 @@ class EngineCfg:
     async_scheduling: bool = False  # decode step k+1 launches before step k's tokens are read
     # paged attention: torch (CPU-tuned), flex (FlexAttention kernels), auto (flex on CUDA)
     attention_backend: AttentionBackend = AttentionBackend.auto
+    batch_invariant: bool = False  # rows' logits/log-probs the same bits whatever the batch
 
 
 @dataclass

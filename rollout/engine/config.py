@@ -61,7 +61,11 @@ class InferenceConfig:
     the paged attention: "torch" (rollout.models.attention, tuned for CPU), "flex" (PyTorch's
     FlexAttention, rollout.models.flex_attention: compiled kernels on CUDA, eager and slow on
     CPU) or "auto" (flex on CUDA when this torch has it, else torch); `resolve_attention_backend`
-    decides. device/dtype None mean "the model's".
+    decides. device/dtype None mean "the model's". batch_invariant runs the model through
+    rollout.models.batch_invariant: each row's logits and log-probs are then the same bits
+    whatever shares its batch, its chunking, prefix-cache hits and code path (attention always
+    runs the invariant algorithm, whatever attention_backend says); start-up refuses it on a
+    machine whose kernels cannot give it (BatchInvariantUnsupported naming the op).
     """
 
     block_size: int = 16
@@ -78,6 +82,7 @@ class InferenceConfig:
     cuda_graphs: bool = True
     async_scheduling: bool = False
     attention_backend: str = "auto"
+    batch_invariant: bool = False
     device: str | None = None
     dtype: str | None = None
 
@@ -97,6 +102,7 @@ class InferenceConfig:
             "enable_chunked_prefill",
             "cuda_graphs",
             "async_scheduling",
+            "batch_invariant",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(

@@ -51,6 +51,7 @@ from rollout.engine.routing import RoutingRecorder, check_routing
 from rollout.engine.scheduler import ScheduledBatch, Scheduler
 from rollout.engine.sequence import Sequence, check_block_hashes
 from rollout.engine.staging import Staged, WeightStage, check_update
+from rollout.models import batch_invariant as bi
 from rollout.protocol import SUSPEND_MODES
 from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord, Status
 from rollout.sampling import SamplingParams
@@ -66,6 +67,25 @@ class RequestFault(RuntimeError):
 
 class EngineBrokenError(RuntimeError):
     """Steps keep failing whatever requests they hold: the process should be restarted."""
+
+
+def set_batch_invariant(
+    model: nn.Module, on: bool, dtype: torch.dtype, device: torch.device
+) -> None:
+    """Switch `model` to the batch-invariant ops after checking this machine gives them
+    (rollout.models.batch_invariant.check_machine raises BatchInvariantUnsupported naming the
+    op), or back to the default ops; ValueError for a model without the mode."""
+    if not on:
+        if hasattr(model, "batch_invariant"):
+            model.batch_invariant = False
+        return
+    if not hasattr(model, "batch_invariant"):
+        raise ValueError(
+            "InferenceConfig.batch_invariant needs a rollout.models.DecoderLM "
+            f"(got {type(model).__name__})"
+        )
+    bi.check_machine(dtype, device)
+    model.batch_invariant = True
 
 
 class DynamicInferenceEngine:
@@ -100,6 +120,7 @@ class DynamicInferenceEngine:
         if param.device != device or param.dtype != dtype:
             model.to(device=device, dtype=dtype)
         self.model = model.eval()
+        set_batch_invariant(self.model, config.batch_invariant, dtype, device)
         backend = config.resolve_attention_backend(device)
         graphs = DecodeGraphs.for_engine(self.model, config, device, backend)
         self.runner = ModelRunner(self.model, graphs, attention_backend=backend)
@@ -183,6 +204,8 @@ class DynamicInferenceEngine:
             return record
         sp = req.sampling_params
         seed = sp.seed if sp.seed is not None else self._next_seed()
+        if sp.seed is None:  # recorded: a checkpoint, a re-dispatch and a replay keep the stream
+            req.sampling_params = sp = sp.replace(seed=seed)
         full = req.prompt_length // self.config.block_size
         if given is not None and len(given) > full:
             raise ValueError(

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rollout.models import batch_invariant as bi
 from rollout.sampling import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -143,10 +144,11 @@ def sample(
 
 
 def _log_softmax(logits: torch.Tensor, temps: Sequence[float]) -> torch.Tensor:
-    """log_softmax(logits / t) per row ([B, V] and one t per row), skipping the divide at 1."""
+    """log_softmax(logits / t) per row ([B, V] and one t per row), skipping the divide at 1:
+    rollout.models.batch_invariant's formula, the one the trainer's log-probs use."""
     if all(t == 1.0 for t in temps):
-        return torch.log_softmax(logits, dim=-1)
-    return torch.log_softmax(logits / to_device(temps, logits.dtype, logits.device)[:, None], -1)
+        return bi.log_softmax(logits)
+    return bi.log_softmax(logits, to_device(temps, torch.float32, logits.device))
 
 
 def to_device(
@@ -257,8 +259,7 @@ def prompt_log_probs(
     """logits [T, V] predicting targets [T] -> (log-probs of those targets at `temperature`
     (the request's logprobs_temperature), the top `top_n` {token: log-prob} of each position;
     empty when top_n is 0)."""
-    logits = logits.float()
-    logp = torch.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
+    logp = bi.log_softmax(logits, float(temperature))
     lp = logp.gather(1, targets[:, None].to(logp.device)).squeeze(1).tolist()
     if not top_n:
         return lp, []

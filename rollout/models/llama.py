@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rollout.models import batch_invariant as bi
 from rollout.models.attention import (
     AttentionPlan,
     PagedAttentionMetadata,
@@ -22,11 +23,18 @@ from rollout.models.attention import (
     paged_attention,
 )
 from rollout.models.config import ModelConfig
+from rollout.models.invariant_paged import (
+    InvariantPlan,
+    invariant_paged_attention,
+    plan_paged,
+    plan_static,
+)
 from rollout.models.moe import MLP, SparseMoeBlock
 from rollout.models.packed import PackedLinears
 from rollout.models.rope import rope_inv_freq
 
 Linear = Callable[[torch.Tensor, nn.Linear], torch.Tensor]
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -153,6 +161,26 @@ class Attention(nn.Module):
         out = paged_attention(q, k, v, k_cache, v_cache, plan, self.scale)
         return linear(out.reshape(n, -1), self.o_proj)
 
+    def forward_invariant(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """Batch-invariant mode (rollout.models.batch_invariant), out of place (autograd):
+        x [N, hidden], cos/sin [N, 1, D]; `attend` maps q [N, H, D], k/v [N, KVH, D] to
+        [N, H, D]."""
+        n = x.shape[0]
+        q = bi.module_linear(x, self.q_proj).view(n, self.num_heads, self.head_dim)
+        k = bi.module_linear(x, self.k_proj).view(n, self.num_kv_heads, self.head_dim)
+        v = bi.module_linear(x, self.v_proj).view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = bi.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+            k = bi.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+        q, k = bi.apply_rope(q, cos, sin), bi.apply_rope(k, cos, sin)
+        return bi.module_linear(attend(q, k, v).reshape(n, -1), self.o_proj)
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, index: int) -> None:
@@ -184,9 +212,13 @@ class Backbone(nn.Module):
 
 
 class DecoderLM(nn.Module):
+    """`batch_invariant = True` (or rollout.models.batch_invariant.mode()) runs every entry
+    point through the batch-invariant ops: a row's bits then do not depend on the batch."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
+        self.batch_invariant = False
         self.model = Backbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = Rotary(config)
@@ -209,6 +241,8 @@ class DecoderLM(nn.Module):
         """tokens [B, T] -> logits [B, T, V]; plain causal attention from position 0, no cache."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens.shape)}")
+        if self.invariant:
+            return self._invariant_forward(tokens)
         x = self.model.embed_tokens(tokens)
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         cos, sin = self.rotary(positions, x.dtype)
@@ -250,6 +284,9 @@ class DecoderLM(nn.Module):
             raise ValueError(
                 f"slot_mapping has {meta.slot_mapping.shape[0]} entries for {input_ids.shape[0]} tokens"
             )
+        if self.invariant:
+            plan = plan_paged(meta, kv_cache.shape[3], input_ids.shape[0])
+            return self._invariant_paged(input_ids, positions, plan, kv_cache, routes, replay)
         plan = AttentionPlan(meta, kv_cache.shape[3], input_ids.shape[0], kv_cache.shape[2])
         self.packed.observe(input_ids.shape[0], self.lm_head.weight)
         return self._paged_layers(input_ids, positions, plan, kv_cache, routes=routes,
@@ -266,6 +303,9 @@ class DecoderLM(nn.Module):
     ) -> torch.Tensor:
         """`forward_paged` for one decode token per row, every shape fixed by the inputs' sizes
         and no host work: what a CUDA graph captures (rollout.engine.cuda_graphs)."""
+        if self.invariant:
+            inv = plan_static(plan, positions, kv_cache.shape[3])
+            return self._invariant_paged(input_ids, positions, inv, kv_cache, routes)
         return self._paged_layers(input_ids, positions, plan, kv_cache, True, routes)
 
     def _paged_layers(
@@ -297,9 +337,80 @@ class DecoderLM(nn.Module):
                 sparse += 1
         return self.model.norm(x)
 
+    @property
+    def invariant(self) -> bool:
+        return self.batch_invariant or bi.active()
+
+    def _invariant_forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """`forward` in batch-invariant mode (differentiable): the engine's op sequence."""
+        b, t = tokens.shape
+        positions = torch.arange(t, device=tokens.device).expand(b, t)
+        scale = self.model.layers[0].self_attn.scale if self.model.layers else 1.0
+        c = self.config
+
+        def attend(_: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            q4 = q.view(b, t, c.num_attention_heads, c.head_dim)
+            k4 = k.view(b, t, c.num_key_value_heads, c.head_dim)
+            out = bi.attention(q4, k4, v.view_as(k4), positions, scale)
+            return out.reshape(b * t, c.num_attention_heads, c.head_dim)
+
+        x = self.model.embed_tokens(tokens).reshape(b * t, -1)
+        hidden = self._invariant_layers(x, positions.reshape(-1), attend)
+        return bi.linear(hidden, self.lm_head.weight).view(b, t, -1)
+
+    def _invariant_paged(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        plan: InvariantPlan,
+        kv_cache: torch.Tensor,
+        routes: list[torch.Tensor] | None = None,
+        replay: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            scale = self.model.layers[i].self_attn.scale
+            return invariant_paged_attention(q, k, v, kv_cache[0, i], kv_cache[1, i], plan, scale)
+
+        x = self.model.embed_tokens(input_ids)
+        return self._invariant_layers(x, positions, attend, routes, replay)
+
+    def _invariant_layers(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        attend: Attend,
+        routes: list[torch.Tensor] | None = None,
+        replay: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """x [N, hidden] at positions [N] -> final-normed hidden states [N, hidden], every op
+        from rollout.models.batch_invariant and out of place (the trainer differentiates it)."""
+        with bi.mode():  # MoE routers (and routing replay's overrides) read it
+            cos, sin = bi.rope_cos_sin(positions, self.rotary.inv_freq, self.rotary.scale,
+                                       x.dtype)  # fmt: skip
+            cos, sin = cos[:, None], sin[:, None]
+            sparse = 0
+            for i, layer in enumerate(self.model.layers):
+                norm = layer.input_layernorm
+                h = bi.rms_norm(x, norm.weight, norm.eps)
+                x = x + layer.self_attn.forward_invariant(
+                    h, cos, sin, lambda q, k, v, i=i: attend(i, q, k, v)
+                )
+                norm = layer.post_attention_layernorm
+                h = bi.rms_norm(x, norm.weight, norm.eps)
+                if not layer.is_sparse:
+                    x = x + layer.mlp.forward_invariant(h)
+                    continue
+                rows = None if replay is None else (replay[0][:, sparse], replay[1])
+                x = x + layer.mlp.forward_invariant(h, routes, rows)
+                sparse += 1
+            norm = self.model.norm
+            return bi.rms_norm(x, norm.weight, norm.eps)
+
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states from `forward_paged` (already final-normed) -> logits [..., V]."""
+        if self.invariant:
+            return bi.linear(hidden, self.lm_head.weight)
         if hidden.dim() == 2:
             return self.packed(hidden, self.lm_head)
         return self.lm_head(hidden)

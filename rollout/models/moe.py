@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rollout.models import batch_invariant as bi
+
 Linear = Callable[[torch.Tensor, nn.Linear], torch.Tensor]
 
 
@@ -38,6 +40,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def forward_invariant(self, x: torch.Tensor) -> torch.Tensor:
+        """Batch-invariant mode: every GEMM through rollout.models.batch_invariant.linear."""
+        gate, up = bi.module_linear(x, self.gate_proj), bi.module_linear(x, self.up_proj)
+        return bi.module_linear(F.silu(gate) * up, self.down_proj)
 
     def forward_paged(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
         """Inference only: silu and the product in place (no [N, intermediate] temporaries)."""
@@ -61,7 +68,8 @@ class Router(nn.Module):
 
         `chosen` [N, k] replays given experts (their probabilities under this router are the
         weights) instead of taking the top-k; with `mask` [N] only on the rows it marks."""
-        probs = F.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float)
+        logits = bi.linear(x, self.weight) if bi.active() else F.linear(x, self.weight)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float)
         if chosen is None:
             top, chosen = torch.topk(probs, self.top_k, dim=-1)
         else:
@@ -174,6 +182,23 @@ class SparseMoeBlock(nn.Module):
         if routes is not None:
             routes.append(indices)
         return out
+
+    def forward_invariant(
+        self, x: torch.Tensor, routes: list[torch.Tensor] | None = None,
+        replay: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Batch-invariant mode (inside batch_invariant.mode(), which the router reads):
+        transformers' expert loop with invariant GEMMs; `routes`/`replay` as forward_paged's."""
+        chosen, mask = replay if replay is not None else (None, None)
+        weights, indices = self.gate(x, chosen, mask)
+        if routes is not None:
+            routes.append(indices)
+        e = self.experts
+        out = bi.moe_experts(x, weights, indices, e.gate_up_proj, e.down_proj)
+        if self.shared_expert is None:
+            return out
+        gate = torch.sigmoid(bi.linear(x, self.shared_expert_gate.weight))
+        return out + gate * self.shared_expert.forward_invariant(x)
 
     def forward_static(
         self, x: torch.Tensor, linear: Linear, routes: list[torch.Tensor] | None = None

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rollout.request import DynamicInferenceEventType, DynamicInferenceRequest
+from rollout.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from rollout.rl.staleness import CompletionStaleness
@@ -78,6 +79,8 @@ class Sample:
     # of the forward that sampled completion token i; the prompt's [prompt tokens - 1, ...]
     routed_experts: torch.Tensor | None = dataclasses.field(default=None, repr=False)
     prompt_routed_experts: torch.Tensor | None = dataclasses.field(default=None, repr=False)
+    # what the completion was sampled with, seed included (`rollout.rl.replay` regenerates it)
+    sampling_params: SamplingParams | None = dataclasses.field(default=None, repr=False)
 
     @property
     def is_episode(self) -> bool:
@@ -141,6 +144,7 @@ def sample_from_request(
         token_times=_token_times(req),
         routed_experts=torch.stack(req.routed_experts) if req.routed_experts else None,
         prompt_routed_experts=req.prompt_routed_experts,
+        sampling_params=req.sampling_params,
     )
 
 
