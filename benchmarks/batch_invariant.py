@@ -41,7 +41,7 @@ def _workloads(shape: dict) -> dict[str, tuple[list[list[int]], SamplingParams]]
     long = [[rng.randrange(1, 256) for _ in range(shape["prefill_tokens"])]
             for _ in range(shape["batch"])]  # fmt: skip
     grpo = []
-    for g in range(shape["groups"]):
+    for _ in range(shape["groups"]):
         prompt = [rng.randrange(1, 256) for _ in range(rng.randint(16, 96))]
         grpo += [prompt] * shape["n"]
     greedy = SamplingParams(temperature=0.0, ignore_eos=True, return_log_probs=True)
@@ -129,9 +129,13 @@ def main(quick: bool = False, out_dir: Path = RESULTS) -> dict:
               "grpo_tokens": 48}
     )  # fmt: skip
     result = {
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "processor": platform.processor(), "torch": torch.__version__,
-                    "device": "cpu"},  # fmt: skip
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "processor": platform.processor(),
+            "torch": torch.__version__,
+            "device": "cpu",
+        },
         "preset": preset,
         "shape": shape,
         "workloads": measure(preset, shape, 1 if quick else 3),

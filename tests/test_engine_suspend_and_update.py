@@ -170,6 +170,13 @@ def test_bad_state_dict_is_rejected_and_old_weights_serve(weights):
         eng.update_weights(forgotten, version=1)
     with pytest.raises(ValueError, match="version"):
         eng.update_weights(good, version=0)
+    untied = {**good, "lm_head.weight": good["lm_head.weight"] + 1}  # one tensor in the model
+    for push in (
+        eng.update_weights,
+        eng.stage_weights,
+    ):  # in place keeps the last, a flip the first
+        with pytest.raises(ValueError, match=r"embed_tokens\.weight and lm_head\.weight are tied"):
+            push(untied, 1)
     assert eng.weight_version == 0
     r = eng.generate([PROMPTS[1]], SP)[0]
     assert r.generated_tokens == greedy(a, PROMPTS[1], 8)  # nothing was half-applied

@@ -153,7 +153,9 @@ def test_limits_end_episodes(model):
 def _weights(version: int) -> dict[str, torch.Tensor]:
     base = tiny_model(seed=3).state_dict()
     g = torch.Generator().manual_seed(version)
-    return {k: v + 0.02 * version * torch.randn(v.shape, generator=g) for k, v in base.items()}
+    out = {k: v + 0.02 * version * torch.randn(v.shape, generator=g) for k, v in base.items()}
+    out["lm_head.weight"] = out["model.embed_tokens.weight"]  # tied: one tensor, one value
+    return out
 
 
 @pytest.mark.parametrize("mode", ["colocated", "async"])

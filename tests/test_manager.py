@@ -27,7 +27,9 @@ def _weights(version: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(1234)
     base = build_model(CFG).state_dict()
     g = torch.Generator().manual_seed(version)
-    return {k: v + 0.05 * version * torch.randn(v.shape, generator=g) for k, v in base.items()}
+    out = {k: v + 0.05 * version * torch.randn(v.shape, generator=g) for k, v in base.items()}
+    out["lm_head.weight"] = out["model.embed_tokens.weight"]  # tied: one tensor, one value
+    return out
 
 
 def _manager(kv_policy="recompute", suspend_mode="offload", **kw) -> RolloutManager:

@@ -44,7 +44,9 @@ def _weights(version: int) -> dict[str, torch.Tensor]:
     loads) plus a version-specific perturbation."""
     base = build_model(ModelConfig.preset("tiny", vocab_size=259), seed=0).state_dict()
     g = torch.Generator().manual_seed(version)
-    return {k: v + 0.05 * version * torch.randn(v.shape, generator=g) for k, v in base.items()}
+    out = {k: v + 0.05 * version * torch.randn(v.shape, generator=g) for k, v in base.items()}
+    out["lm_head.weight"] = out["model.embed_tokens.weight"]  # tied: one tensor, one value
+    return out
 
 
 def _trainer(version: int) -> torch.nn.Module:

@@ -16,10 +16,14 @@ CFG = ModelConfig.preset("tiny", vocab_size=128)
 
 
 def _weights(version: int) -> dict[str, torch.Tensor]:
+    """A fixed base plus a version's perturbation, per parameter (tied names stay equal)."""
     torch.manual_seed(1234)
-    base = build_model(CFG).state_dict()
+    model = build_model(CFG)
     g = torch.Generator().manual_seed(version)
-    return {k: v + 0.05 * version * torch.randn(v.shape, generator=g) for k, v in base.items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * version * torch.randn(p.shape, generator=g))
+    return {k: v.clone() for k, v in model.state_dict().items()}
 
 
 WEIGHTS = {v: _weights(v) for v in range(4)}
@@ -27,7 +31,7 @@ WEIGHTS = {v: _weights(v) for v in range(4)}
 
 def _config(kv_policy: str = "recompute", **kw) -> InferenceConfig:
     base = {"num_blocks": 128, "block_size": 8, "max_requests": 16, "max_tokens_per_step": 256}
-    return InferenceConfig(kv_policy=kv_policy, batch_invariant=True, **{**base, **kw})
+    return InferenceConfig(**{"kv_policy": kv_policy, "batch_invariant": True, **base, **kw})
 
 
 def _samples_across_updates(kv_policy: str, updates: int = 3, suspend_mode="offload", **icfg):
@@ -57,8 +61,9 @@ def test_segments_are_runs_of_versions():
     assert segments([]) == []
 
 
-def test_samples_across_updates_replay_bit_for_bit():
-    model, samples = _samples_across_updates("recompute")
+@pytest.mark.parametrize("weight_update", ["pause", "staged"])
+def test_samples_across_updates_replay_bit_for_bit(weight_update):
+    model, samples = _samples_across_updates("recompute", weight_update=weight_update)
     spanning = [s for s in samples if len(s.weight_versions) > 1]
     assert len(spanning) >= 3  # partial rollouts across updates, the hard case
     replayer = Replayer(model, None, WEIGHTS, _config())
@@ -87,7 +92,7 @@ def test_replay_of_a_sample_that_was_evicted():
 
 
 def test_replay_refuses_a_sample_whose_context_kept_old_kv():
-    model, samples = _samples_across_updates("keep", updates=2)
+    _, samples = _samples_across_updates("keep", updates=2)
     kept = [s for s in samples if len(s.weight_versions) > 1]
     assert kept
     with pytest.raises(ValueError, match="kv_policy=recompute"):

@@ -161,4 +161,21 @@ def check_update(
         check_compatible(targets, specs)
     except ValueError as e:
         raise ValueError(f"{what} rejected, old weights still serve: {e}") from None
+    _check_tied(targets, state_dict, what)
     return targets
+
+
+def _check_tied(
+    targets: Mapping[str, torch.Tensor], state_dict: Mapping[str, torch.Tensor], what: str
+) -> None:
+    """Names that share one model tensor (tied embeddings) must arrive with equal values: an
+    in-place copy would keep the last, a staged flip the first, so either would serve a model
+    the trainer does not have."""
+    first: dict[int, str] = {}
+    for name in state_dict:
+        if name not in targets:
+            continue
+        other = first.setdefault(id(targets[name]), name)
+        if other != name and not torch.equal(state_dict[other], state_dict[name]):
+            raise ValueError(f"{what} rejected, old weights still serve: {other} and {name} are "
+                             "tied in the model but differ in the update")  # fmt: skip

@@ -558,7 +558,9 @@ class RolloutManager:
         if sp.seed is not None:  # distinct, reproducible streams per sample
             salt = g.gid * 1009 + index * 7919 + self._next_rid
             sp = sp.replace(seed=(sp.seed * 1_000_003 + salt) % 2**31)
-        elif not sp.is_greedy:  # a known stream: re-dispatch keeps it, `rollout.rl.replay` reruns it
+        elif (
+            not sp.is_greedy
+        ):  # a known stream: re-dispatch keeps it, `rollout.rl.replay` reruns it
             sp = sp.replace(seed=secrets.randbelow(2**31))
         self._add_request(g.prompt, sp, lambda req: self._file(g.gid, index, req))
 

@@ -176,7 +176,9 @@ class Replayer:
         n = len(completion_tokens)
         if n == 0:
             return []
-        versions = list(token_versions) if token_versions is not None else [self._only_version()] * n
+        versions = (
+            list(token_versions) if token_versions is not None else [self._only_version()] * n
+        )
         if len(versions) != n:
             raise ValueError(f"{len(versions)} token_versions for {n} completion tokens")
         out: list[float] = []
