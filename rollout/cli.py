@@ -370,7 +370,8 @@ def _serve_http(args: argparse.Namespace, address: str, token: str | None,
                     http_token=http_token, logprobs_mode=args.logprobs_mode,
                     limits=work, tool_call_parser=args.tool_call_parser,
                     enable_auto_tool_choice=args.enable_auto_tool_choice,
-                    body_limits=bodies)  # fmt: skip
+                    body_limits=bodies,
+                    model_source=args.model)  # fmt: skip
     family = socket.AF_INET6 if ":" in args.http_host else socket.AF_INET
     # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say so; without it a
     # reused connection waits ~40 ms per request (Nagle against delayed ACKs)

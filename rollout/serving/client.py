@@ -537,6 +537,10 @@ class InferenceClient:
     def pending(self) -> int:
         return len(self._futures)
 
+    def in_flight(self) -> list[asyncio.Future]:
+        """The futures of this client's requests not answered yet."""
+        return list(self._futures.values())
+
     def _fail_all(self, exc: BaseException) -> None:
         for table in (self._futures, self._controls, self._stats):
             for fut in table.values():

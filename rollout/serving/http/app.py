@@ -32,8 +32,10 @@ from rollout.sampling import VLLM_LOGPROBS_MODES, SamplingParams
 from rollout.serving.auth import tokens_match
 from rollout.serving.client import ClientStopped, InferenceClient, Partial, RequestFailed
 from rollout.serving.http import tool_choice
+from rollout.serving.http.areal_routes import areal_router, as_token_ids
 from rollout.serving.http.body_limit import BodyLimit
 from rollout.serving.http.chat import prepare_messages, render_chat
+from rollout.serving.http.control import Control
 from rollout.serving.http.generate_route import generate_router
 from rollout.serving.http.limits import Admission, Limits, Ticket, caller_of, check_logprobs
 from rollout.serving.http.metrics import HTTPMetrics, route_label
@@ -51,10 +53,12 @@ from rollout.serving.http.scoring import (
     share_prompt_scores,
     token_logprobs,
 )
+from rollout.serving.http.sglang_routes import sglang_router
 from rollout.serving.http.stream_text import StreamedText
 from rollout.serving.http.text_checks import refuse_lone_surrogates
 from rollout.serving.http.token_routes import router as token_router
 from rollout.serving.http.tool_parsers import PARSERS, ToolStream
+from rollout.serving.http.vllm_control import vllm_router
 from rollout.tokenizers import detokenize_with, tokenize_with
 
 log = logging.getLogger(__name__)
@@ -119,13 +123,16 @@ def build_app(
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
     body_limits: dict[str, int] | None = None,
+    model_source: str | None = None,
 ) -> FastAPI:
     """The app for the coordinator at `address` (joined with its `auth_token`). `http_token`:
     the bearer token every route but /health requires (None: no HTTP auth).
     `logprobs_mode`: vLLM's spelling, for requests that name none. `limits`: the work it admits
     (default: `Limits()`). `tool_call_parser` (a tool_parsers.PARSERS name) with
     `enable_auto_tool_choice` parses tool calls out of chat replies, as vLLM's flags of the
-    same names. `body_limits`: request body caps by route (body_limit.BODY_LIMITS' keys)."""
+    same names. `body_limits`: request body caps by route (body_limit.BODY_LIMITS' keys).
+    `model_source` (`rollout serve --model`): what weight updates from a folder are checked
+    against (None: those routes answer 501)."""
     if logprobs_mode not in VLLM_LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode must be one of {sorted(VLLM_LOGPROBS_MODES)}, got {logprobs_mode!r}")  # fmt: skip
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
@@ -136,6 +143,7 @@ def build_app(
                  special_tokens or {}, http_token, limits or Limits())  # fmt: skip
     be.logprobs_mode = logprobs_mode
     be.tool_call_parser, be.enable_auto_tool_choice = tool_call_parser, enable_auto_tool_choice
+    be.control = Control(be, address, auth_token, model_source)  # vLLM/SGLang/AReaL routes
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -143,6 +151,7 @@ def build_app(
         try:
             yield
         finally:
+            be.control.close()
             be.client.stop()
             be.text_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -150,6 +159,9 @@ def build_app(
     app.state.backend = be
     app.include_router(token_router)
     app.include_router(generate_router(_check_wait, _submit, _wait_or_abort))
+    for router in (vllm_router(), sglang_router(_check_wait, _submit, _wait_or_abort),
+                   areal_router()):  # fmt: skip
+        app.include_router(router)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> Response:
@@ -265,19 +277,21 @@ async def _stats(be: Backend) -> dict | None:
 
 async def _check_wait(be: Backend, req: Any, request: Request) -> None:
     if req.wait and request.headers.get(NO_WAIT_HEADER, "") not in ("1", "true"):
+        await be.control.admitted()  # a pause(wait) drains: new requests wait here
         return
     stats = await _stats(be)
-    state = stats["state"] if stats else "UNREACHABLE"
+    state = "DRAINING" if be.control.draining else stats["state"] if stats else "UNREACHABLE"
     if state != "RUNNING":
         raise APIError(503, f"engines are {state} and the request asked not to wait",
                        "service_unavailable_error", code="engines_not_running")  # fmt: skip
 
 
-def _submit(be: Backend, prompts: list[list[int]], sps: list[SamplingParams]) -> list[Any]:
+def _submit(be: Backend, prompts: list[list[int]], sps: list[SamplingParams],
+            routing_key: str | None = None) -> list[Any]:  # fmt: skip
     futures: list[Any] = []
     try:
         for p in prompts:
-            futures += [be.client.add_request(p, sp) for sp in sps]
+            futures += [be.client.add_request(p, sp, routing_key=routing_key) for sp in sps]
         return futures
     except ValueError as e:
         for f in futures:  # all choices or none
@@ -305,7 +319,8 @@ async def _generate(be: Backend, req: Any, request: Request, prompts: list[list[
             streaming = True
             return StreamingResponse(_ended(stream), media_type="text/event-stream")
         ran = engine_choices(req, sps)  # a prompt's log-probs once for its n choices
-        records = await _wait_or_abort(be, _submit(be, prompts, ran), request)
+        key = request.headers.get("x-session-id") or None  # session-affine routing
+        records = await _wait_or_abort(be, _submit(be, prompts, ran, key), request)
         records = share_prompt_scores(records, len(sps), len(ran))
     finally:
         if not streaming:
@@ -400,12 +415,18 @@ def _choice(be: Backend, req: Any, index: int, prompt: list[int], rec: Any, chat
     if req.scores_only():  # nothing generated: the token the prompt's forward sampled is dropped
         text, reason = "", "length"
         ext.update(token_ids=[], token_logprobs=[], weight_versions=[])
+    if (req.model_extra or {}).get("skip_special_tokens") is False and be.tokenizer is not None:
+        text = be.tokenizer.decode(tokens, skip_special_tokens=False)  # schemas: unstreamed only
     if req.echo:
         text = be.text(prompt) + text
     lp = None
     if req.logprobs is not None:
         gen_tops = [] if req.scores_only() else _tops(rec, len(tokens))
         lp = completion_logprobs(be.text, prompt if req.echo else None, rec, gen_tops)
+        if req.return_tokens_as_token_ids:  # AReaL's vLLM path
+            ptops = [None, *(rec.prompt_top_n_logprobs or [{}] * (len(prompt) - 1))]
+            lp = as_token_ids(lp, [*(prompt if req.echo else []), *(tokens if gen_tops else [])],
+                              [*(ptops if req.echo else []), *gen_tops])  # fmt: skip
     return {"index": index, "text": text, "logprobs": lp, "finish_reason": reason, **ext}
 
 

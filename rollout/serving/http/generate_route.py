@@ -1,14 +1,17 @@
 """vLLM's token-in/token-out route, `POST /inference/v1/generate`, as RL trainers' clients
 call it (verifiers' training client through `renderers.client.generate`): token ids in, token
 ids, their log-probs (`logprobs.content[i].token` is "token_id:<id>", as vLLM writes it) and
-our per-token weight versions out. No text either way: the caller owns the chat template.
+our per-token weight versions (`weight_versions`) and staleness (`policy_staleness`: versions
+between each token's and the weights serving when the answer left the engine) out. No text either way: the caller owns the chat template.
 
 Body: `{"model", "token_ids", "sampling_params": {...}}` with vLLM's SamplingParams names.
 Parameters this server honours: max_tokens, temperature, top_p, top_k (-1: off), seed, n, stop,
 stop_token_ids, include_stop_str_in_output, ignore_eos, logprobs (the top-n; the sampled
 token's log-prob is always there); the text-only ones (skip_special_tokens,
 spaces_between_special_tokens, detokenize) change nothing without text. Any other parameter,
-unless null or at vLLM's default, is refused with a 400 naming it.
+unless null or at vLLM's default, is refused with a 400 naming it. `cache_salt` (SkyRL and
+prime-rl salt with the policy version) is accepted: KV computed under other weights is never
+reused here anyway. An `X-Session-ID` header routes a session's requests to one engine.
 """
 
 from __future__ import annotations
@@ -23,7 +26,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.sampling import VLLM_LOGPROBS_MODES, SamplingParams
 from rollout.serving.http.limits import caller_of
-from rollout.serving.http.schemas import APIError, bad_request, finish_reason, unstated_extras
+from rollout.serving.http.schemas import (
+    APIError,
+    bad_request,
+    check_cache_salt,
+    finish_reason,
+    unstated_extras,
+)
 
 TEXT_ONLY = frozenset({"skip_special_tokens", "spaces_between_special_tokens", "detokenize"})
 # vLLM parameters this server does not implement, accepted only at vLLM's default value
@@ -124,9 +133,11 @@ def _choice(index: int, rec: Any, top_n: int | None) -> dict[str, Any]:
              "top_logprobs": [{"token": f"token_id:{k}", "logprob": v, "bytes": None}
                               for k, v in top.items()]}
             for t, lp, top in zip(tokens, rec.generated_log_probs, tops, strict=True)]}  # fmt: skip
+    versions = list(rec.generated_weight_versions)
+    now = rec.staleness_version if rec.staleness_version is not None else max(versions, default=0)
     return {"index": index, "token_ids": tokens, "logprobs": logprobs,
-            "finish_reason": finish_reason(rec.stop_reason),
-            "weight_versions": list(rec.generated_weight_versions)}  # fmt: skip
+            "finish_reason": finish_reason(rec.stop_reason), "weight_versions": versions,
+            "policy_staleness": [int(now) - v for v in versions]}  # fmt: skip
 
 
 def generate_router(check_wait: Callable, submit: Callable, wait_or_abort: Callable) -> APIRouter:
@@ -136,35 +147,47 @@ def generate_router(check_wait: Callable, submit: Callable, wait_or_abort: Calla
     router = APIRouter()
 
     @router.post("/inference/v1/generate")
+    @router.post("/skyrl/v1/generate")  # SkyRL's, with each token's routed experts
     async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
         be = request.app.state.backend
         if body.model and body.model != be.model_name:
             raise APIError(404, f"model {body.model!r} does not exist (this server serves "
                                 f"{be.model_name!r})", param="model", code="model_not_found")  # fmt: skip
-        if unknown := [k for k, v in (body.model_extra or {}).items() if v is not None]:
+        extra = dict(body.model_extra or {})
+        check_cache_salt(extra.pop("cache_salt", None))
+        if unknown := [k for k, v in extra.items() if v is not None]:
             raise bad_request(f"{unknown[0]} is not supported by this server", unknown[0])
         if body.stream:
             raise bad_request("stream is not supported on /inference/v1/generate", "stream")
         sps, top_n = to_sampling_params(body.sampling_params, be.logprobs_mode)
+        experts = request.url.path == "/skyrl/v1/generate"
+        if experts:
+            sps = [sp.replace(return_routed_experts=True) for sp in sps]
         if (top_n or 0) > be.limits.max_logprobs:
             raise bad_request(f"logprobs must be <= {be.limits.max_logprobs} on this server, "
                               f"got {top_n}", "logprobs")  # fmt: skip
         ticket = be.admission.admit([body.token_ids], sps, caller_of(request))  # as on /v1
         try:
             await check_wait(be, _Wait(), request)
-            records = await wait_or_abort(be, submit(be, [body.token_ids], sps), request)
+            key = request.headers.get("x-session-id") or None  # session-affine routing
+            records = await wait_or_abort(be, submit(be, [body.token_ids], sps, key), request)
         finally:
             ticket.release()
-        return await be.off_loop(_response, be, body, records, top_n)  # big: off the loop
+        return await be.off_loop(_response, be, body, records, top_n, experts)  # big: off the loop
 
     return router
 
 
-def _response(be: Any, body: GenerateRequest, records: list, top_n: int | None) -> JSONResponse:
+def _response(be: Any, body: GenerateRequest, records: list, top_n: int | None,
+              experts: bool = False) -> JSONResponse:  # fmt: skip
     completion = sum(len(r.generated_tokens) for r in records)
     be.metrics.tokens(len(body.token_ids), completion)
+    choices = [_choice(i, r, top_n) for i, r in enumerate(records)]
+    if experts:  # /skyrl/v1/generate
+        for choice, rec in zip(choices, records, strict=True):
+            choice["routed_experts"] = [e.tolist() for e in rec.routed_experts]
     return JSONResponse({"request_id": body.request_id or f"gen-{uuid.uuid4().hex}",
-            "choices": [_choice(i, r, top_n) for i, r in enumerate(records)],
+            "choices": choices,
             "prompt_token_ids": body.token_ids, "prompt_logprobs": None,
             "usage": {"prompt_tokens": len(body.token_ids), "completion_tokens": completion,
                       "total_tokens": len(body.token_ids) + completion}})  # fmt: skip

@@ -60,7 +60,18 @@ def unstated_extras(schema: dict[str, Any], cls: type) -> None:
 
 
 # Accepted without effect: bookkeeping fields that do not change what a server returns.
-NO_EFFECT = frozenset({"metadata", "store", "service_tier"})
+# `cache_salt` (vLLM's; prime-rl and SkyRL salt with the policy version): prefix-cache blocks
+# computed under other weights are never reused here, salted or not (check_cache_salt).
+NO_EFFECT = frozenset({"metadata", "store", "service_tier", "cache_salt"})
+MAX_CACHE_SALT = 256
+
+
+def check_cache_salt(salt: Any) -> None:
+    if salt is not None and (not isinstance(salt, str) or len(salt) > MAX_CACHE_SALT):
+        raise bad_request(f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters",
+                          "cache_salt")  # fmt: skip
+
+
 STREAM_OPTIONS = frozenset({"include_usage"})
 
 
@@ -101,6 +112,9 @@ class CompletionRequest(_Common):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    # vLLM's: `logprobs.tokens` (and top-log-prob keys) as "token_id:N" (AReaL's vLLM path)
+    return_tokens_as_token_ids: bool = False
+    use_beam_search: bool = False  # vLLM's; only false (true is refused)
 
     def wants_prompt_logprobs(self) -> bool:
         return self.echo and self.logprobs is not None
@@ -129,7 +143,10 @@ DEFAULT_CHAT_MAX_TOKENS = 256
 
 
 def _refuse_unknown(req: _Common) -> None:
+    check_cache_salt((req.model_extra or {}).get("cache_salt"))
     for name, value in (req.model_extra or {}).items():
+        if name == "skip_special_tokens" and _special_tokens_ok(req, value):
+            continue
         if value is not None and name not in NO_EFFECT:
             raise bad_request(f"{name} is not supported by this server", name)
     if unknown := sorted(set(req.stream_options or {}) - STREAM_OPTIONS):
@@ -139,6 +156,17 @@ def _refuse_unknown(req: _Common) -> None:
     if fmt is not None and fmt.get("type") != "text":
         raise bad_request(f"response_format {fmt.get('type')!r} is not supported by this server "
                           "(only text)", "response_format")  # fmt: skip
+
+
+def _special_tokens_ok(req: _Common, skip: Any) -> bool:
+    """vLLM's `skip_special_tokens`: true is this server's text; false (AReaL, slime) is
+    honoured on unstreamed completions (app.py decodes with them), refused elsewhere."""
+    if skip is True:
+        return True
+    if skip is False and isinstance(req, CompletionRequest) and not req.stream:
+        return True
+    raise bad_request("skip_special_tokens must be a boolean (false: unstreamed /v1/completions "
+                      "only)", "skip_special_tokens")  # fmt: skip
 
 
 def _refuse_unsupported(req: _Common) -> None:
@@ -153,6 +181,8 @@ def _refuse_unsupported(req: _Common) -> None:
             raise bad_request("best_of is not supported by this server", "best_of")
         if req.suffix:
             raise bad_request("suffix is not supported by this server", "suffix")
+        if req.use_beam_search:
+            raise bad_request("use_beam_search is not supported by this server", "use_beam_search")
         if req.echo and req.stream:
             raise bad_request("echo is not supported with stream: true", "echo")
     if not 1 <= req.n <= 128:
