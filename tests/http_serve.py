@@ -94,16 +94,17 @@ class Served:
 
 
 def serve_http(tmp: Path, *flags: str, fd_soft_limit: int | None = None,
-               fd_hard_limit: int | None = None) -> Served:  # fmt: skip
-    """`rollout serve --model tiny --http-port 0` with a bearer token, a ChatML template and
-    `flags`; `fd_soft_limit` / `fd_hard_limit`: the open-file limits it inherits."""
+               fd_hard_limit: int | None = None, bearer: bool = True) -> Served:  # fmt: skip
+    """`rollout serve --model tiny --http-port 0` with a bearer token (unless not `bearer`), a
+    ChatML template and `flags`; `fd_soft_limit` / `fd_hard_limit`: the open-file limits it
+    inherits."""
     (tmp / "coord").write_text(COORD_TOKEN)
     (tmp / "http").write_text(HTTP_TOKEN + "\n")
     (tmp / "chat.jinja").write_text(CHATML)
     cmd = [sys.executable, "-m", "rollout.cli", "serve", "--model", "tiny", "--dp", "1",
            "--auth-token-file", str(tmp / "coord"), "--http-port", "0",
-           "--http-auth-token-file", str(tmp / "http"), "--chat-template", str(tmp / "chat.jinja"),
-           *flags]  # fmt: skip
+           *(("--http-auth-token-file", str(tmp / "http")) if bearer else ()),
+           "--chat-template", str(tmp / "chat.jinja"), *flags]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("ROLLOUT_HTTP_TOKEN", None)
 

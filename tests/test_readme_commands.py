@@ -22,6 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -63,6 +64,7 @@ COVERED = {
     "python -m recipes.grpo_reverse -m hydra/launcher=submitit_slurm trainer.lr=1e-3,3e-3": "test_slurm_sweep_row",
     "ROLLOUT_HTTP_TOKEN=secret rollout serve --model DIR --http-port 8000": "test_http_section",
     """curl -s http://127.0.0.1:8000/v1/completions -H "Authorization: Bearer secret" -H "Content-Type: application/json" -d '{"model": "DIR", "prompt": "Hello", "max_tokens": 8, "seed": 0, "logprobs": 1}'""": "test_http_section",
+    "rollout serve --model DIR --http-port 8000": "test_rl_frameworks_section",
     "sbatch --nodes=3 examples/slurm/grpo_multinode.sbatch trainer.steps=100": "test_slurm_example",
     "torchrun --standalone --nproc_per_node=2 -m recipes.grpo_reverse": "test_torchrun_trainer",
 }  # fmt: skip
@@ -83,6 +85,8 @@ NOT_RUN = {
     "rollout serve": "the command's name in prose; its synopsis and real runs are covered above",
     "rollout engine": "the command's name in prose; its real run is covered above",
     "bash scripts/fetch_gpu_wheels.sh": "downloads wheels from the network",
+    "pip install -e '.[skyrl]'": "installs packages from the network (tests/clients/test_skyrl.py)",
+    "pip install --no-deps areal==1.0.4 colorlog tenacity flask torchdata lark uvloop ray numba orjson einops aiofiles": "installs packages from the network (tests/clients/test_areal.py)",
     "bash scripts/gpu_check.sh": "runs on the GPU machine; its CPU mode is tests/test_gpu_check.py",
     "python scripts/gpu_check.py --device cpu": "tests/test_gpu_check.py runs it (~30 s; not twice)",
 }
@@ -561,6 +565,64 @@ def test_http_section():
         ns = exec_snippet("### OpenAI-compatible HTTP", {},
                           **{"8000": port, '"DIR"': '"tiny"'})  # fmt: skip
         assert ns["choice"].token_ids == choice["token_ids"]  # same seed, same tokens
+        assert serve.stop() == 0
+
+
+RL_FRAMEWORKS = "### RL frameworks on `rollout serve`: SkyRL, AReaL, prime-rl, slime"
+
+
+def section_text_blocks(heading: str) -> list[str]:
+    """The ```text blocks of the README section under `heading` (up to the next ### heading)."""
+    section = README.split(heading, 1)[1].split("\n### ", 1)[0]
+    return [b.strip() for b in re.findall(r"```text\n(.*?)```", section, re.S)]
+
+
+@pytest.mark.timeout(300)
+def test_rl_frameworks_section():
+    """The RL frameworks section as written: the serve line, then each framework's config line
+    (HOST:8000 -> the server) drives that framework's first calls."""
+    serve_cmd = readme_command("test_rl_frameworks_section", "rollout serve")
+    argv, env = argv_of(serve_cmd, DIR="tiny", **{"8000": "0"})
+    skyrl, areal, prime, slime = section_text_blocks(RL_FRAMEWORKS)
+    with Proc(argv, env) as serve:
+        url = serve.read_until(r"^http (http://\S+)")[1]
+        hostport = url.removeprefix("http://")
+        with httpx.Client(timeout=60) as h:
+            # SkyRL: the data plane at external_proxy_url, the control plane at each server url
+            skyrl = skyrl.replace("HOST:8000", hostport)
+            proxy = re.search(r"external_proxy_url=(\S+)", skyrl)[1]
+            servers = re.search(r"external_server_urls=\[(\S+)\]", skyrl)[1].split(",")
+            assert "run_engines_locally=false" in skyrl
+            assert h.get(f"{servers[0]}/get_world_size").json() == {"world_size": 1}
+            gen = h.post(f"{proxy}/inference/v1/generate", json={
+                "token_ids": [1, 2], "cache_salt": "0",
+                "sampling_params": {"max_tokens": 3, "logprobs": 0}}).json()  # fmt: skip
+            assert gen["choices"][0]["weight_versions"] == [0] * 3
+            # AReaL: the env var names host:port; its vLLM backend's generation request
+            addr = re.fullmatch(
+                r"AREAL_LLM_SERVER_ADDRS=(\S+)", areal.replace("HOST:8000", hostport)
+            )[1]
+            out = h.post(f"http://{addr}/v1/completions", json={
+                "prompt": [1, 2], "max_tokens": 3, "return_tokens_as_token_ids": True,
+                "logprobs": 0, "skip_special_tokens": True}).json()  # fmt: skip
+            assert [t.startswith("token_id:") for t in out["choices"][0]["logprobs"]["tokens"]] == [
+                True
+            ] * 3
+            # prime-rl: admin routes at base_url without /v1
+            base = re.search(r'base_url=\["(\S+?)"\]', prime.replace("HOST:8000", hostport))[1]
+            admin = base.removesuffix("/v1")
+            assert (
+                h.post(
+                    f"{admin}/pause", params={"mode": "keep", "clear_cache": "false"}
+                ).status_code
+                == 200
+            )
+            assert h.post(f"{admin}/resume").status_code == 200
+            # slime: the external engine's start-up probes
+            engine = re.fullmatch(r"--rollout-external-engine-addrs (\S+)",
+                                  slime.replace("HOST:8000", hostport))[1]  # fmt: skip
+            assert h.get(f"http://{engine}/health_generate").status_code == 200
+            assert h.get(f"http://{engine}/get_server_info").json()["dp_size"] == 1
         assert serve.stop() == 0
 
 
