@@ -209,6 +209,12 @@ def test_refused_by_name_and_guarded(served, client):
     assert client.post("/pause", params={"mode": "later"}).json()["error"]["param"] == "mode"
     assert client.post("/sleep", params={"level": 3}).json()["error"]["param"] == "level"
     assert client.post("/wake_up", params={"tags": "gpu"}).json()["error"]["param"] == "tags"
+    r = client.post(
+        "/generate", json={"input_ids": [1], "sampling_params": {"max_new_tokens": "5"}}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_new_tokens"
+    r = client.post("/generate", json={"input_ids": [1], "sampling_params": {"regex": "a+"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "regex"
     r = client.post("/inference/v1/generate", json={"token_ids": [1], "cache_salt": 5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
     routes = ["/pause", "/resume", "/sleep", "/wake_up", "/reset_prefix_cache",

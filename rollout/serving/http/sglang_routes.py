@@ -29,8 +29,9 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
+from pydantic import ValidationError
 
-from rollout.serving.http.generate_route import to_sampling_params
+from rollout.serving.http.generate_route import VLLMSamplingParams, to_sampling_params
 from rollout.serving.http.schemas import APIError, bad_request
 from rollout.serving.http.vllm_control import json_body, not_supported
 from rollout.serving.http.weight_group import check_group_args, check_meta
@@ -53,7 +54,14 @@ def _sampling(raw: Any, top_n: int, be: Any) -> list:
     if isinstance(top_k, (int, float)) and (top_k <= 0 or top_k >= 1 << 30):
         p["top_k"] = -1  # SGLang's "no top-k" spellings
     p["logprobs"] = top_n
-    sps, _ = to_sampling_params(p, be.logprobs_mode)
+    try:
+        params = VLLMSamplingParams.model_validate(p)
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = str(first["loc"][0]) if first.get("loc") else "sampling_params"
+        field = {v: k for k, v in RENAMED.items()}.get(field, field)  # the caller's name
+        raise bad_request(f"sampling_params.{field}: {first['msg']}", field) from None
+    sps, _ = to_sampling_params(params, be.logprobs_mode)
     return sps
 
 
