@@ -21,20 +21,20 @@ from rollout.sampling import SamplingParams
 from rollout.serving.factory import build_engine, model_from_source, tokenizer_from_source
 from rollout.serving.worker import EngineWorker
 
-pytestmark = [pytest.mark.timeout(400), pytest.mark.heavy]  # two engine processes
+pytestmark = [pytest.mark.timeout(600), pytest.mark.heavy]  # two engine processes
 
 ENGINE_KW = {"model": "tiny", "seed": 0, "max_requests": 16, "streaming_interval": 2,
              "batch_invariant": True}  # fmt: skip
 
 
-def _workload(n: int = 24) -> list[tuple[list[int], SamplingParams]]:
+def _workload(n: int = 12) -> list[tuple[list[int], SamplingParams]]:
     """Mixed prompt lengths, seeded sampling at T=1 and greedy, with log-probs."""
     rng = random.Random(7)
     items = []
     for i in range(n):
         prompt = [rng.randint(1, 255) for _ in range(rng.randint(2, 40))]
         sp = SamplingParams(temperature=0.0 if i % 4 == 0 else 1.0, seed=1000 + i,
-                            num_tokens_to_generate=24, ignore_eos=True,
+                            num_tokens_to_generate=16, ignore_eos=True,
                             return_log_probs=True)  # fmt: skip
         items.append((prompt, sp))
     return items
@@ -77,7 +77,7 @@ async def test_dp2_and_a_sigkilled_engine_give_the_bits_of_one_engine():
         # from their checkpoints and re-prefilled on the survivor, in other batches
         base = h.coord.counters["partials"]
         futs = [client.add_request(p, sp) for p, sp in items]
-        await wait_until(lambda: h.coord.counters["partials"] >= base + 8, 90, "checkpoints")
+        await wait_until(lambda: h.coord.counters["partials"] >= base + 6, 120, "checkpoints")
         busiest = max(h.coord.engines.values(), key=lambda e: len(e.requests))
         os.kill(procs[busiest.rank].pid, signal.SIGKILL)
         records = await asyncio.wait_for(asyncio.gather(*futs), 120)

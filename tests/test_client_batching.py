@@ -10,7 +10,8 @@ from fake_engine import Harness, expected_tokens
 
 from rollout.protocol import Headers, ProtocolError, decode, encode, pack_tokens
 from rollout.sampling import SamplingParams
-from rollout.serving.client import ClientStopped, InferenceClient, RequestFailed
+from rollout.serving.client import InferenceClient
+from rollout.serving.client_errors import ClientStopped, RequestFailed
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,7 +8,8 @@ from fake_engine import Harness, expected_tokens
 
 from rollout.request import DynamicInferenceRequestRecord
 from rollout.sampling import SamplingParams
-from rollout.serving.client import ControlError, InferenceClient, Partial, RequestFailed
+from rollout.serving.client import InferenceClient, Partial
+from rollout.serving.client_errors import ControlError, RequestFailed
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -190,7 +191,7 @@ async def test_client_stop_fails_pending_futures(harness):
     await client.pause_engines()
     fut = client.add_request([1], SamplingParams(num_tokens_to_generate=2))
     client.stop()
-    from rollout.serving.client import ClientStopped
+    from rollout.serving.client_errors import ClientStopped
 
     with pytest.raises(ClientStopped, match="client stopped"):
         await fut

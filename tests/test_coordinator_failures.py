@@ -14,7 +14,8 @@ from fake_engine import Harness, expected_tokens, make_fake_engine, reap, wait_u
 
 from rollout.protocol import ProtocolError, decode
 from rollout.sampling import SamplingParams
-from rollout.serving.client import InferenceClient, RequestFailed
+from rollout.serving.client import InferenceClient
+from rollout.serving.client_errors import RequestFailed
 from rollout.serving.worker import EngineWorker
 
 pytestmark = pytest.mark.timeout(90)

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from rollout.config import ConfigError, compose, validate
+from rollout.engine.config import InferenceConfig
 from rollout.metrics import NAMESPACES
 from rollout.sampling import SamplingParams
 from rollout.serving.client import InferenceClient
@@ -78,6 +79,7 @@ SNIPPETS = {
     "### TRL's GRPOTrainer": "test_trl_snippet",
     "### Routing replay for MoE models (R3)": "test_routing_replay_snippet",
     "### Batch-invariant mode": "test_batch_invariant_snippet",
+    "#### Replaying a rollout bit for bit": "test_replay_snippet",
 }
 # README commands no test runs, each with the reason; keep this short.
 NOT_RUN = {
@@ -693,6 +695,37 @@ def test_trainer_snippet():
 
 
 @pytest.mark.timeout(120)
+def test_replay_snippet():
+    """The replay block: a sample that spans versions 0 and 1 of a manager in batch-invariant
+    mode replays exactly, and its trace scores to its own log-probs."""
+    from rollout.models import ModelConfig, build_model
+    from rollout.rl.manager import RolloutManager
+
+    cfg = ModelConfig.preset("tiny", vocab_size=128)
+    model = build_model(cfg, seed=0)
+    weights_v0 = {k: v.clone() for k, v in model.state_dict().items()}
+    weights_v1 = build_model(cfg, seed=1).state_dict()
+    inference_config = InferenceConfig(num_blocks=64, block_size=8, batch_invariant=True)
+    sp = SamplingParams(num_tokens_to_generate=12, ignore_eos=True)
+    prompts = [{"prompt": [5, 6, 7], "sampling_params": sp.replace(num_tokens_to_generate=n)}
+               for n in (2, 12)]  # fmt: skip
+    with RolloutManager(model=model, inference_config=inference_config, max_inflight_groups=2,
+                        suspend_mode="offload") as m:  # fmt: skip
+        source = iter(prompts)
+        m.collect(source, 1, n=1)
+        m.suspend()
+        m.update_weights(weights_v1)
+        m.resume()
+        (sample,) = m.collect(source, 1, n=1)
+    assert sample.weight_versions == [0, 1]
+    tokens = sample.completion_tokens[: sample.token_versions.count(0)]
+    ns = exec_snippet("#### Replaying a rollout bit for bit", dict(
+        sample=sample, model=model, tokenizer=None, weights_v0=weights_v0, weights_v1=weights_v1,
+        inference_config=inference_config, tokens=tokens))  # fmt: skip
+    assert ns["r"].tokens == sample.completion_tokens
+    assert ns["lp"] == sample.logprobs[: len(tokens)]
+
+
 def test_routing_replay_snippet():
     """The routing-replay block on a tiny Qwen3-MoE: samples from a manager that records."""
     transformers = pytest.importorskip("transformers")

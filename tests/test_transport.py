@@ -20,7 +20,8 @@ from fake_engine import Harness, expected_tokens, wait_for
 
 from rollout.protocol import Headers, decode, encode, pack_tokens
 from rollout.sampling import SamplingParams
-from rollout.serving.client import ConnectionReset, InferenceClient
+from rollout.serving.client import InferenceClient
+from rollout.serving.client_errors import ConnectionReset
 from rollout.serving.curve import curve_keys, host_of, is_loopback, server_uses_curve
 
 pytestmark = pytest.mark.timeout(120)

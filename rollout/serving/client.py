@@ -46,6 +46,13 @@ from rollout.protocol import (
 from rollout.request import DynamicInferenceRequestRecord
 from rollout.sampling import SamplingParams
 from rollout.serving.auth import resolve_token
+from rollout.serving.client_errors import (
+    ClientError,
+    ClientStopped,
+    ControlError,
+    RequestAborted,
+    RequestFailed,
+)
 from rollout.serving.curve import connect_dealer, resolve_curve
 from rollout.serving.gc_tuning import freeze_startup_heap
 from rollout.serving.rejoin import Rejoin
@@ -62,31 +69,6 @@ from rollout.serving.submissions import (
 log = logging.getLogger(__name__)
 
 _from_bytes = DynamicInferenceRequestRecord.from_bytes
-
-
-class ClientError(RuntimeError):
-    """Base of the errors a client future can carry."""
-
-
-class RequestFailed(ClientError):
-    """The coordinator failed the request (no live engine, refused, shut down...)."""
-
-
-class RequestAborted(ClientError):
-    """The request was aborted before any engine produced a record for it."""
-
-
-class ControlError(ClientError):
-    """The coordinator refused a control signal (invalid transition or bad argument)."""
-
-
-class ClientStopped(ClientError):
-    """The client stopped (or lost the coordinator) while this was still pending."""
-
-
-class ConnectionReset(ClientStopped):
-    """The coordinator forgot this client while this was pending and it cannot be replayed: a
-    control signal (it may or may not have been applied) or a stream that delivered tokens."""
 
 
 @dataclass(slots=True)

@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING
 import zmq
 
 from rollout.protocol import Headers, encode
+from rollout.serving.client_errors import ClientStopped, ConnectionReset
 
 if TYPE_CHECKING:
-    from rollout.serving.client import ClientStopped, InferenceClient
+    from rollout.serving.client import InferenceClient
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +46,6 @@ class Rejoin:
         """Handshake again; pending requests wait in the client's `_pending` and are resent once
         acked. One notice is enough: later ones (answers to frames sent before the new CONNECT)
         are moot."""
-        from rollout.serving.client import ClientStopped, ConnectionReset  # (the client's own)
-
         c = self.client
         if self.active or c._stopped or not c._started:
             return

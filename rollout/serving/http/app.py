@@ -30,7 +30,8 @@ from rollout.detokenizer import TextOffsets
 from rollout.engine.intake import RequestError
 from rollout.sampling import VLLM_LOGPROBS_MODES, SamplingParams
 from rollout.serving.auth import tokens_match
-from rollout.serving.client import ClientStopped, InferenceClient, Partial, RequestFailed
+from rollout.serving.client import InferenceClient, Partial
+from rollout.serving.client_errors import ClientStopped, RequestFailed
 from rollout.serving.http import tool_choice
 from rollout.serving.http.areal_routes import areal_router, as_token_ids
 from rollout.serving.http.body_limit import BodyLimit

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from rollout.serving.client import ControlError
+from rollout.serving.client_errors import ControlError
 from rollout.serving.http.schemas import APIError, bad_request
 from rollout.serving.http.weight_group import WeightGroup
 from rollout.weights.broadcast import WeightSyncError
