@@ -143,6 +143,7 @@ class ActorProcess:
         self._where_ref = actor.where.remote()
         self._where: dict[str, Any] | None = None
         self._done = threading.Event()
+        self._killed = False  # by terminate(): its death is no news
         self.sentinel, self._writer = mp.Pipe(duplex=False)
         threading.Thread(target=self._watch, args=(ref,), name=f"watch-{name}", daemon=True).start()
 
@@ -150,7 +151,8 @@ class ActorProcess:
         try:
             self.exitcode = int(ray.get(ref))
         except Exception as e:  # RayActorError / ActorDiedError / a node gone: a crash
-            log.warning("%s died: %s", self.name, type(e).__name__)
+            if not self._killed:
+                log.warning("%s died: %s", self.name, type(e).__name__)
             self.exitcode = EXIT_ACTOR_DIED
         self._done.set()
         self._writer.close()
@@ -174,6 +176,7 @@ class ActorProcess:
         self._done.wait(timeout)
 
     def terminate(self) -> None:
+        self._killed = True
         with contextlib.suppress(Exception):
             ray.kill(self.actor, no_restart=True)
 
