@@ -138,7 +138,9 @@ def test_node_removed_mid_run_loses_nothing_and_engine_returns_with_trainer_weig
     events: list[tuple] = []
     manager = build_manager(run, model=model, tokenizer=tok)
     cl = manager.engine.cluster
-    cl.on_event = lambda kind, rank, details: events.append((kind, rank, details))
+    cl.on_event = cl.supervisor.on_event = lambda kind, rank, details: events.append(
+        (kind, rank, details)
+    )
     try:
         with torch.no_grad():  # the trainer's weights, not the checkpoint's
             for p in model.parameters():
