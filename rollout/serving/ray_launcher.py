@@ -25,6 +25,7 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import tempfile
 import threading
 from collections.abc import Callable, Mapping
@@ -183,6 +184,19 @@ class ActorProcess:
     kill = terminate
 
 
+@contextlib.contextmanager
+def _keep_sigterm() -> Any:
+    """Keep this process's SIGTERM handler: `ray.init` installs one that exits at once, which
+    would skip `rollout serve`'s orderly stop (HTTP, engines, coordinator)."""
+    main = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if main and handler is not None:
+            signal.signal(signal.SIGTERM, handler)
+
+
 class RayLauncher:
     """Starts a cluster's coordinator and engines on Ray (see the module docstring)."""
 
@@ -225,7 +239,8 @@ class RayLauncher:
             kw: dict[str, Any] = {"namespace": self.namespace, "log_to_driver": False}
             if self.address is None and not os.environ.get("RAY_ADDRESS"):
                 kw.update(include_dashboard=False, object_store_memory=self.object_store_memory)
-            ray.init(address=self.address, **kw)
+            with _keep_sigterm():
+                ray.init(address=self.address, **kw)
             self.started_ray = True
         ctx = ray.get_runtime_context()
         self.node_id = ctx.get_node_id()
