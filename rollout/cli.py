@@ -94,6 +94,12 @@ def _add_launcher_options(p: argparse.ArgumentParser) -> None:
 def _launcher(args: argparse.Namespace) -> dict:
     """EngineCluster kwargs for --launcher (refused with what to install when Ray is absent)."""
     if args.launcher == "local":
+        given = [flag for flag, value, default in (
+            ("--ray-address", args.ray_address, None), ("--placement-strategy", args.placement_strategy, "PACK"),
+            ("--cpus-per-engine", args.cpus_per_engine, 1.0), ("--gpus-per-engine", args.gpus_per_engine, None),
+        ) if value != default]  # fmt: skip
+        if given:
+            raise SystemExit(f"rollout serve: {', '.join(given)} apply only with --launcher ray")
         return {}
     problem = ray_problem("rollout serve --launcher ray")
     if problem is not None:

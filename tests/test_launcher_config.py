@@ -93,3 +93,11 @@ def test_ray_is_an_optional_pinned_extra_never_core():
     assert "ray" not in core
     (pin,) = re.findall(r'^ray = \["(ray[^"]*)"\]$', text, re.M)
     assert ">=" in pin and "<" in pin, pin
+
+
+def test_serve_ray_flags_without_launcher_ray_are_refused_by_name():
+    from rollout.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--model", "tiny", "--placement-strategy", "SPREAD"])
+    assert "--placement-strategy apply only with --launcher ray" in str(e.value.code)

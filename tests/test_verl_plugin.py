@@ -155,3 +155,33 @@ def test_verl_generates_through_its_client_and_updates_weights_through_the_adapt
     finally:
         for server in replica.servers:
             ray.get(server.shutdown.remote())
+
+
+def test_server_returns_routed_experts_with_routing_replay(setup, tmp_path):
+    """R3 through the server actor (verl's TokenOutput.routed_experts): a tiny Qwen3-MoE, one
+    [layers, top_k] row of experts per generated token, what our engine recorded."""
+    import transformers
+
+    from rollout.verl.server import RolloutServer
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, eos_token_id=None,
+    )  # fmt: skip
+    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(tmp_path)
+    config = verl_config(
+        str(tmp_path), "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"
+    )
+    server = ray.remote(RolloutServer).remote(config.actor_rollout_ref.rollout, str(tmp_path))
+    try:
+        out = ray.get(
+            server.generate.remote([5, 17, 3], {"temperature": 0.0, "max_tokens": 6}, "r")
+        )
+        experts = torch.tensor(out.routed_experts)
+        assert experts.shape == (6, 2, 2) and int(experts.max()) < 6
+        assert out.extra_fields["token_versions"] == [0] * 6
+    finally:
+        ray.get(server.shutdown.remote())
+        ray.kill(server)
