@@ -9,6 +9,7 @@ placement, CUDA_VISIBLE_DEVICES plumbing, weight transport and failover are Ray'
 - A worker node removed mid-generation loses nothing: every sample completes exactly once with
   exact versions, and its engine comes back in a bundle Ray re-placed on the other worker node,
   serving only once it holds the trainer's weights (greedy decoding equals the trainer's).
+- The main job (recipes.grpo_reverse) runs with rollout.launcher=ray on the cluster.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 from reference import greedy  # noqa: E402
 
+from recipes.common import run_recipe  # noqa: E402
 from rollout.config import compose, validate  # noqa: E402
 from rollout.config.builders import build_manager, build_model_and_tokenizer  # noqa: E402
 from rollout.sampling import SamplingParams  # noqa: E402
@@ -184,3 +186,14 @@ def test_node_removed_mid_run_loses_nothing_and_engine_returns_with_trainer_weig
         assert [s.completion_tokens for s in got] == [greedy(trainer, p, 8) for p in short for _ in range(2)]  # fmt: skip
     finally:
         manager.close()
+
+
+def test_main_job_runs_with_launcher_ray_on_the_cluster(cluster, tmp_path):
+    """The main job (recipes.grpo_reverse) with rollout.launcher=ray, dp=2 spread over the two
+    worker nodes: it trains, and every step's weights reach both engines."""
+    short = ["trainer.steps=3", "trainer.warmup_sft_steps=2", "trainer.batch=4",
+             "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4",
+             "rollout.max_new_tokens=6", "recipe.eval_every=0", "logger=disabled",
+             f"logger.dir={tmp_path}"]  # fmt: skip
+    summary = run_recipe(compose([*short, "rollout.dp=2", *RAY]))
+    assert summary["steps"] == 3 and summary["final_version"] == 3, summary
