@@ -34,6 +34,7 @@ from rollout.serving.cluster import EngineCluster
 from rollout.serving.coordinator.routing import POLICIES
 from rollout.serving.curve import ENV_CURVE
 from rollout.serving.factory import build_engine, tokenizer_from_source
+from rollout.serving.launcher import LAUNCHERS, PLACEMENT_STRATEGIES, ray_problem
 from rollout.serving.worker import EngineWorker
 
 
@@ -72,8 +73,44 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     _add_engine_options(p)
     p.add_argument("--schedule-log", default=None, help="write routing decisions here on exit")
     p.add_argument("--ready-timeout", type=float, default=300.0)
+    _add_launcher_options(p)
     _add_http_options(p)
     p.set_defaults(func=serve)
+
+
+def _add_launcher_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--launcher", choices=LAUNCHERS, default="local",
+                   help="local: engine child processes; ray: coordinator and engines as Ray "
+                        "actors in one placement group (pip install rollout[ray])")  # fmt: skip
+    p.add_argument("--ray-address", default=None,
+                   help="Ray cluster to join (default: $RAY_ADDRESS, else start a local Ray)")  # fmt: skip
+    p.add_argument("--placement-strategy", choices=PLACEMENT_STRATEGIES, default="PACK",
+                   help="Ray placement of the engine bundles")  # fmt: skip
+    p.add_argument("--cpus-per-engine", type=float, default=1.0, help="Ray: CPUs in each bundle")
+    p.add_argument("--gpus-per-engine", type=float, default=None,
+                   help="Ray: GPUs in each bundle (default: 1 with --device cuda, else 0)")  # fmt: skip
+
+
+def _launcher(args: argparse.Namespace) -> dict:
+    """EngineCluster kwargs for --launcher (refused with what to install when Ray is absent)."""
+    if args.launcher == "local":
+        given = [flag for flag, value, default in (
+            ("--ray-address", args.ray_address, None), ("--placement-strategy", args.placement_strategy, "PACK"),
+            ("--cpus-per-engine", args.cpus_per_engine, 1.0), ("--gpus-per-engine", args.gpus_per_engine, None),
+        ) if value != default]  # fmt: skip
+        if given:
+            raise SystemExit(f"rollout serve: {', '.join(given)} apply only with --launcher ray")
+        return {}
+    problem = ray_problem("rollout serve --launcher ray")
+    if problem is not None:
+        raise SystemExit(problem)
+    gpus = args.gpus_per_engine
+    if gpus is None:
+        gpus = 1 if str(args.device or "").startswith("cuda") else 0
+    return {"launcher": "ray", "ray": {"address": args.ray_address,
+                                       "placement_strategy": args.placement_strategy,
+                                       "cpus_per_engine": args.cpus_per_engine,
+                                       "gpus_per_engine": gpus}}  # fmt: skip
 
 
 def _add_curve_option(p: argparse.ArgumentParser) -> None:
@@ -272,6 +309,7 @@ def serve(args: argparse.Namespace) -> int:
     _check_serve(args)
     http_limits = _http_limits(args) if args.http_port is not None else None  # refused early
     _apply_curve(args)
+    launcher = _launcher(args)
     token, token_file = _serve_token(args)
     events = _EngineEvents(args.dp)
 
@@ -293,6 +331,7 @@ def serve(args: argparse.Namespace) -> int:
         restart={"max_restarts": args.max_restarts, "backoff_s": args.restart_backoff,
                  "backoff_max_s": max(30.0, args.restart_backoff)},
         on_event=events,
+        **launcher,
     )  # fmt: skip
     try:
         address = cluster.start_coordinator()

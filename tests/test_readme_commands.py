@@ -68,6 +68,8 @@ COVERED = {
     "rollout serve --model DIR --http-port 8000": "test_rl_frameworks_section",
     "sbatch --nodes=3 examples/slurm/grpo_multinode.sbatch trainer.steps=100": "test_slurm_example",
     "torchrun --standalone --nproc_per_node=2 -m recipes.grpo_reverse": "test_torchrun_trainer",
+    "python -m recipes.grpo_reverse rollout.launcher=ray rollout.dp=2": "test_ray_launcher_recipe",
+    "rollout serve --model DIR --dp 2 --launcher ray": "test_serve_launcher_ray",
 }  # fmt: skip
 # README ```python blocks (by the heading above them) -> the test that executes them.
 SNIPPETS = {
@@ -91,6 +93,9 @@ NOT_RUN = {
     "pip install --no-deps areal==1.0.4 colorlog tenacity flask torchdata lark uvloop ray numba orjson einops aiofiles": "installs packages from the network (tests/clients/test_areal.py)",
     "bash scripts/gpu_check.sh": "runs on the GPU machine; its CPU mode is tests/test_gpu_check.py",
     "python scripts/gpu_check.py --device cpu": "tests/test_gpu_check.py runs it (~30 s; not twice)",
+    "ray start --head --port=6379": "Ray's own CLI (daemons); tests/test_ray_launcher.py builds "
+    "the same head and workers with ray.cluster_utils.Cluster",
+    "ray start --address=HEAD:6379": "Ray's own CLI (as above)",
 }
 
 
@@ -547,6 +552,33 @@ def test_serve_batch_invariant():
 
         alone, in_crowd = asyncio.run(needle())
         assert len(alone) == 5 and alone == in_crowd
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(600)
+def test_ray_launcher_recipe(tmp_path, monkeypatch):
+    """The main job with its engines as actors on a local Ray (the `ray` extra)."""
+    pytest.importorskip("ray")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # a throwaway local Ray
+    saved = run_recipe(readme_command("test_ray_launcher_recipe"), tmp_path / "run",
+                       "rollout.ray.object_store_memory=100000000")  # fmt: skip
+    rows = train_rows(saved)
+    assert len(rows) == 2 and saved["summary"]["final_version"] == 2
+    assert all(r["engine/num_engines"] == 2 for r in rows)
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(600)
+def test_serve_launcher_ray(monkeypatch):
+    """`rollout serve --launcher ray` (DIR -> tiny): a coordinator and 2 engine actors."""
+    pytest.importorskip("ray")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    argv, env = argv_of(readme_command("test_serve_launcher_ray"), DIR="tiny")
+    with Proc(argv, env) as serve:
+        address = serve.read_until(r"coordinator (tcp://\S+) pid")[1]
+        serve.read_until(r"^ready: 2 engine")
+        token = peer_token(serve, argv, env)
+        assert asyncio.run(serve_requests(address, token, engines=2)) == 24
         assert serve.stop() == 0
 
 

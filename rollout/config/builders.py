@@ -157,7 +157,24 @@ def cluster_options(run: RunConfig) -> dict[str, Any]:
             "seed": run.recipe.seed, "restart": restart,
             "weights_snapshot": c.weights_snapshot.value,
             "weight_sync_transport": c.weight_sync_transport.value,
-            "weight_sync_checksum": c.weight_sync_checksum}  # fmt: skip
+            "weight_sync_checksum": c.weight_sync_checksum,
+            **launcher_options(run)}  # fmt: skip
+
+
+def launcher_options(run: RunConfig) -> dict[str, Any]:
+    """`EngineCluster` kwargs of rollout.launcher (and rollout.ray for the ray launcher)."""
+    r = run.rollout
+    if r.launcher.value == "local":
+        return {}
+    ray = r.ray
+    gpus = ray.gpus_per_engine
+    if gpus is None:
+        gpus = 1 if resolve_device(run).type == "cuda" else 0
+    return {"launcher": "ray", "ray": {
+        "address": ray.address, "namespace": ray.namespace,
+        "placement_strategy": ray.placement_strategy.value, "cpus_per_engine": ray.cpus_per_engine,
+        "gpus_per_engine": gpus, "object_store_memory": ray.object_store_memory,
+        "placement_timeout_s": ray.placement_timeout_s}}  # fmt: skip
 
 
 def build_manager(
@@ -166,8 +183,8 @@ def build_manager(
     """The run's `RolloutManager`; `changes` override fields of its `manager_config`.
 
     The engine gets its own copy of `model` (the trainer's; built from the config when None), so
-    training never mutates what the engine serves between updates. With rollout.dp > 1 the
-    engine processes load a snapshot of its weights.
+    training never mutates what the engine serves between updates. With rollout.dp > 1 (or
+    rollout.launcher=ray) the engine processes load a snapshot of its weights.
     """
     if model is None:
         model, built_tok, _ = build_model_and_tokenizer(run)
@@ -176,7 +193,7 @@ def build_manager(
         tokenizer = build_tokenizer(run)
     if run.rollout.coordinator_address is not None:
         return attached_manager(run, model, tokenizer, **changes)
-    if run.rollout.dp > 1:
+    if run.rollout.dp > 1 or run.rollout.launcher.value == "ray":
         return RolloutManager(
             manager_config(run, dp=run.rollout.dp, **changes), model=model, tokenizer=tokenizer,
             inference_config=inference_config(run), cluster_options=cluster_options(run),

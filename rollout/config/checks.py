@@ -21,12 +21,14 @@ from rollout.config.schema import (
     HF_DIR,
     ConfigError,
     KVPolicy,
+    Launcher,
     LossType,
     RolloutMode,
     RunConfig,
     SuspendMode,
 )
 from rollout.models.config import MODEL_PRESETS
+from rollout.serving.launcher import ray_problem
 from rollout.weights.chunk_digest import ALGOS as CHECKSUM_ALGOS
 
 
@@ -218,6 +220,25 @@ def _check_rollout(run: RunConfig, errors: list[str]) -> None:
     _need(
         errors, r.max_staleness >= 0, f"rollout.max_staleness must be >= 0, got {r.max_staleness}"
     )
+    if r.launcher == Launcher.ray:
+        _check_ray(run, errors)
+
+
+def _check_ray(run: RunConfig, errors: list[str]) -> None:
+    r = run.rollout
+    problem = ray_problem("rollout.launcher=ray")
+    if problem is not None:
+        errors.append(problem)
+    _need(errors, r.coordinator_address is None,
+          "rollout.launcher=ray starts its own coordinator and engines on Ray; "
+          "rollout.coordinator_address attaches to running ones instead: set one of them")  # fmt: skip
+    _need(errors, r.ray.cpus_per_engine >= 0,
+          f"rollout.ray.cpus_per_engine must be >= 0, got {r.ray.cpus_per_engine}")  # fmt: skip
+    if r.ray.gpus_per_engine is not None:
+        _need(errors, r.ray.gpus_per_engine >= 0,
+              f"rollout.ray.gpus_per_engine must be >= 0 or null, got {r.ray.gpus_per_engine}")  # fmt: skip
+    _need(errors, r.ray.placement_timeout_s > 0,
+          f"rollout.ray.placement_timeout_s must be > 0, got {r.ray.placement_timeout_s}")  # fmt: skip
 
 
 def _check_trainer(run: RunConfig, errors: list[str]) -> None:

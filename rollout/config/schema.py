@@ -17,6 +17,7 @@ from rollout.engine.config import ATTENTION_BACKENDS, KV_POLICIES, WEIGHT_UPDATE
 from rollout.protocol import SUSPEND_MODES
 from rollout.sampling import LOGPROBS_MODES
 from rollout.serving.coordinator.routing import POLICIES
+from rollout.serving.launcher import LAUNCHERS, PLACEMENT_STRATEGIES
 
 GROUPS = ("model", "engine", "coordinator", "rollout", "trainer", "logger", "recipe")
 HF_DIR = "hf_dir"
@@ -43,6 +44,8 @@ WeightsSnapshot = _enum("WeightsSnapshot", "memory", "disk")
 WeightSyncTransport = _enum("WeightSyncTransport", "auto", "broadcast", "ipc")
 LogprobsMode = _enum("LogprobsMode", *LOGPROBS_MODES)
 AttentionBackend = _enum("AttentionBackend", *ATTENTION_BACKENDS)
+Launcher = _enum("Launcher", *LAUNCHERS)
+PlacementStrategy = _enum("PlacementStrategy", *PLACEMENT_STRATEGIES)
 
 
 class ConfigError(ValueError):
@@ -125,6 +128,26 @@ class CoordinatorCfg:
 
 
 @dataclass
+class RayCfg:
+    """The ray launcher (rollout.launcher=ray): where the Ray cluster is, how engines are placed."""
+
+    address: str | None = (
+        None  # ray.init address ("auto", "ray://h:10001"); None: $RAY_ADDRESS, else a new local Ray
+    )
+    namespace: str | None = None
+    # one placement group, one bundle per engine: PACK fills few nodes, SPREAD one engine a node
+    placement_strategy: PlacementStrategy = PlacementStrategy.PACK
+    cpus_per_engine: float = 1.0
+    gpus_per_engine: float | None = (
+        None  # None: 1 when model.device is cuda, else 0 (CPU-only bundles)
+    )
+    object_store_memory: int | None = (
+        None  # bytes, for a local Ray this run starts (None: Ray's default)
+    )
+    placement_timeout_s: float = 300.0  # the placement group must be placed within this
+
+
+@dataclass
 class RolloutCfg:
     mode: RolloutMode = RolloutMode.colocated
     dp: int = 1  # engines; 1 = one in-process engine, > 1 = engine processes
@@ -155,6 +178,10 @@ class RolloutCfg:
     # joined it from any host) instead of starting engines; dp = how many must have joined.
     # Its secret: coordinator.token / token_file.
     coordinator_address: str | None = None
+    # local: the coordinator and dp engines as child processes (dp > 1); ray: as Ray actors
+    # placed by one placement group (any dp, on a Ray cluster; the `ray` extra)
+    launcher: Launcher = Launcher.local
+    ray: RayCfg = field(default_factory=RayCfg)
 
 
 @dataclass

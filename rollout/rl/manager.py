@@ -87,6 +87,13 @@ MODES = ("colocated", "async")
 _ATTACH_OPTIONS = ("auth_token", "weight_sync_host", "bucket_bytes", "ready_timeout_s",
                    "sync_timeout_s", "worker_options", "on_event", "weights_snapshot")  # fmt: skip
 STALE_POLICIES = ("drop", "regenerate")
+
+
+def _on_ray(options: Mapping[str, Any] | None) -> bool:
+    """cluster_options asking for the ray launcher: engines on Ray whatever dp is."""
+    return bool(options) and options.get("launcher") == "ray"
+
+
 RewardFn = Callable[[Sample], Any]
 
 
@@ -183,10 +190,10 @@ class RolloutManager:
         self._owns_engine = engine is None
         if engine is None and self.config.coordinator_address is not None:
             engine = self._attach(tokenizer, cluster_options)
-        elif engine is None and self.config.dp > 1:
+        elif engine is None and (self.config.dp > 1 or _on_ray(cluster_options)):
             engine = self._start_cluster(model, tokenizer, inference_config, cluster_options)
         elif cluster_options:
-            raise ValueError("cluster_options only apply with dp > 1")
+            raise ValueError("cluster_options only apply with dp > 1 or launcher='ray'")
         if engine is None:
             if model is None:
                 raise ValueError("RolloutManager needs a model (and tokenizer) or an engine")

@@ -35,14 +35,14 @@ from rollout.engine.interface import EngineLost
 from rollout.protocol import MAX_FRAME_BYTES
 from rollout.serving.auth import resolve_token
 from rollout.serving.client import InferenceClient
-from rollout.serving.coordinator import DataParallelInferenceCoordinator
+from rollout.serving.curve import resolve_curve
 from rollout.serving.event_loop import EventLoopManager
 from rollout.serving.factory import build_engine, model_source_kwargs, routing_frame_bytes
+from rollout.serving.launcher import make_launcher
 from rollout.serving.process_watch import ProcessWatch
 from rollout.serving.processes import stop_processes
 from rollout.serving.supervisor import EngineSupervisor, Event, RestartPolicy
 from rollout.serving.weight_updates import WeightUpdates
-from rollout.serving.worker import EngineWorker
 from rollout.weights.chunk_digest import ALGOS as CHECKSUM_ALGOS
 from rollout.weights.snapshot import WeightSnapshot
 from rollout.weights.state import as_state_dict
@@ -67,6 +67,11 @@ class EngineCluster:
     engine exits, restarts and give-ups (on the supervisor thread), of engines lost during an
     update ("left_update") and of engines caught up ("caught_up", details = the ack).
     `worker_options` are extra EngineWorker kwargs (e.g. coordinator_timeout_s).
+
+    `launcher`: "local" (child processes) or "ray" (Ray actors in one placement group, `ray`
+    the RayLauncher options: rollout.serving.ray_launcher). Ray engines may sit on other nodes:
+    they join weight sync from each update's announcement, and one that restarts loads the
+    model source and takes no work until the catch-up thread sent it the current weights.
 
     `attach="tcp://HOST:PORT"`: join a running coordinator (`rollout serve`, engines started
     with `rollout engine` on any host) instead of spawning one: nothing is spawned or supervised
@@ -107,6 +112,8 @@ class EngineCluster:
         worker_options: Mapping[str, Any] | None = None,
         attach: str | None = None,
         weight_sync_host: str = "127.0.0.1",
+        launcher: str = "local",
+        ray: Mapping[str, Any] | None = None,
     ) -> None:
         if isinstance(num_engines, bool) or not isinstance(num_engines, int) or num_engines < 1:
             raise ValueError(f"num_engines must be an int >= 1, got {num_engines!r}")
@@ -117,6 +124,13 @@ class EngineCluster:
             raise ValueError(f"weight_sync_checksum must be one of {CHECKSUM_ALGOS}, "
                              f"got {weight_sync_checksum!r}")  # fmt: skip
         self.weight_sync_checksum = weight_sync_checksum
+        if attach is not None and launcher != "local":
+            raise ValueError(f"launcher={launcher!r} starts engines; attach= joins running ones: "
+                             "give one of them")  # fmt: skip
+        self.launcher = make_launcher(launcher, num_engines, ray)
+        # engines on other hosts (Ray): they join weight sync from each update's announcement,
+        # restart from the model source and are held until caught up to the current weights
+        self.remote = self.launcher.remote
         self.num_engines = num_engines
         self.attached = attach
         self.weight_sync_host = weight_sync_host
@@ -140,6 +154,8 @@ class EngineCluster:
             routed = routing_frame_bytes(self.factory_kwargs)  # (routing replay's records)
             if routed > MAX_FRAME_BYTES:
                 self.coordinator_config["max_frame_bytes"] = routed
+        if self.remote:  # Ray actors do not inherit this process's $ROLLOUT_CURVE
+            self.coordinator_config.setdefault("curve", resolve_curve(None))
         self.engine_factory = engine_factory
         self.weight_sync = weight_sync
         self.bucket_bytes = bucket_bytes
@@ -158,7 +174,7 @@ class EngineCluster:
         self.sync: TrainerWeightSync | None = None
         self.restart_policy = RestartPolicy.of(restart)
         # a copy of the last pushed weights for engines that start (restarts) or join (attached)
-        keep = self.restart_policy.max_restarts > 0 or attach is not None
+        keep = self.restart_policy.max_restarts > 0 or attach is not None or self.remote
         self.snapshot = (WeightSnapshot(self._tmp, weights_snapshot)
                          if weight_sync and keep and weights_snapshot is not None else None)  # fmt: skip
         self.weights = WeightUpdates(self)
@@ -194,8 +210,8 @@ class EngineCluster:
         return self
 
     def start_coordinator(self) -> str:
-        self.coordinator_process, self.address, self.auth_token = (
-            DataParallelInferenceCoordinator.spawn(30.0, **self.coordinator_config)
+        self.coordinator_process, self.address, self.auth_token = self.launcher.start_coordinator(
+            self.coordinator_config
         )
         self._coordinator_watch = ProcessWatch(self.coordinator_process, self._coordinator_died)
         self._coordinator_watch.start()
@@ -217,6 +233,9 @@ class EngineCluster:
 
     def _trainer_sync(self) -> TrainerWeightSync:
         device = torch.device(self.factory_kwargs.get("device") or "cpu")
+        if self.remote:  # where the launcher placed the engines decides how weights reach them
+            self.weight_sync_transport = self.launcher.transport(self.weight_sync_transport)
+            self.weight_sync_host = self.launcher.reachable_host(self.weight_sync_host)
         # the secret the engines hold: the spawned coordinator's, or what the client presents
         token = self.auth_token if self.attached is None else resolve_token(self.auth_token)
         key = weight_key(token)
@@ -227,6 +246,8 @@ class EngineCluster:
     def start_engines(self) -> list[mp.Process]:
         if self.weight_sync:
             self.sync = self._trainer_sync()
+        if self.remote:  # folders written here (a module's weights) go to the engines' nodes
+            self.launcher.ship([str(self._tmpdir)] if self._tmpdir is not None else [])
         for rank in range(self.num_engines):
             self.engine_processes.append(self._spawn_engine(rank, self.factory_kwargs))
         return self.engine_processes
@@ -240,10 +261,12 @@ class EngineCluster:
             **self.worker_options,
             "auth_token": self.auth_token,
         }
-        if self.sync is not None:
+        if self.remote:
+            wkw.setdefault("curve", resolve_curve(None))
+        if self.sync is not None and not self.remote:
             wkw["weight_sync"] = self.sync.worker_info(rank)
         factory = self.engine_factory or build_engine
-        return EngineWorker.spawn(self.address, rank, factory, factory_kwargs, wkw)
+        return self.launcher.start_engine(self.address, rank, factory, factory_kwargs, wkw)
 
     def _respawn(self, rank: int) -> mp.Process:
         """Supervisor callback: rank's engine again, loading the current weights and version.
@@ -251,6 +274,8 @@ class EngineCluster:
         coordinator = self.coordinator_process
         if coordinator is None or not coordinator.is_alive():
             raise RuntimeError("the coordinator is gone")
+        if self.remote:  # the source's weights; held until the catch-up sends the current ones
+            return self._spawn_engine(rank, self.factory_kwargs)
         while not self.weights.lock.acquire(timeout=0.5):
             if self.supervisor is None or self.supervisor.stopping:
                 raise RuntimeError("the cluster is closing")
@@ -303,6 +328,7 @@ class EngineCluster:
                     self.supervise()
                 else:  # the service's version is where this trainer's updates continue from
                     self.factory_kwargs["weight_version"] = int(stats["weight_version"] or 0)
+                if self.attached is not None or self.remote:
                     self.weights.start_catch_up()
                 return
             if time.monotonic() > deadline:
@@ -407,6 +433,7 @@ class EngineCluster:
                 if p.is_alive():
                     p.terminate()
         stop_processes(self.processes, timeout_s)
+        self.launcher.close()
         if self.sync is not None:
             self.sync.close()
         if self._owns_loop:

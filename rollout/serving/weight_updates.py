@@ -115,11 +115,11 @@ class WeightUpdates:
 
     def serving_engines(self) -> list[Member]:
         """(rank, pid) of each engine whose process is alive and registered with the
-        coordinator: a restarted engine is a new member even under its old rank. Attached:
-        (rank, the coordinator's engine id) of each registered engine, wherever it runs."""
+        coordinator: a restarted engine is a new member even under its old rank. Attached or
+        launched elsewhere (Ray): (rank, the coordinator's engine id) of each registered one."""
         c = self.cluster
         engines = c.stats()["engines"]
-        if c.attached is not None:
+        if c.attached is not None or c.remote:  # processes elsewhere: the coordinator's ids
             return sorted((int(r), int(e["engine_id"])) for r, e in engines.items()
                           if not e["stopped"])  # fmt: skip
         procs = [(int(r), c.engine_processes[int(r)]) for r, e in engines.items()
@@ -152,6 +152,7 @@ class WeightUpdates:
         left blocked in collectives with a dead peer until their timeout."""
         c = self.cluster
         client = c.client
+        by_id = c.attached is not None or c.remote
 
         def heard(membership: dict) -> None:
             live = {
@@ -159,7 +160,7 @@ class WeightUpdates:
             }
             ranks = {r for r, _ in live}
             gone = [r for r, i in members
-                    if ((r, i) not in live if c.attached is not None else r not in ranks)]  # fmt: skip
+                    if ((r, i) not in live if by_id else r not in ranks)]  # fmt: skip
             if gone:
                 c.sync.abort_transfer(f"engine ranks {gone} left during the transfer")
 
@@ -183,6 +184,8 @@ class WeightUpdates:
         if c.supervisor is None:
             return
         for rank, e in c.stats()["engines"].items():
+            if c.remote and e["syncing"]:  # held: the catch-up brings it the current weights
+                continue
             if not e["stopped"] and e["weight_version"] != version:
                 c.supervisor.retire(int(rank))
 

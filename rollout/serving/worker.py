@@ -519,6 +519,21 @@ class EngineWorker:
         """Child-process main: build the engine, serve, exit cleanly on SIGTERM."""
         signal.signal(signal.SIGTERM, exit_on_signal)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+        code = cls.serve(address, rank, engine_factory, factory_kwargs, worker_kwargs)
+        if code is not None:
+            raise SystemExit(code)
+
+    @classmethod
+    def serve(
+        cls,
+        address: str,
+        rank: int,
+        engine_factory: Callable[..., Any],
+        factory_kwargs: dict | None = None,
+        worker_kwargs: dict | None = None,
+    ) -> int | None:
+        """Build the engine and serve in this process (a child's main, or a Ray actor's call);
+        returns the exit code a supervisor tells apart (None: stopped by a signal)."""
         torch.set_num_threads(int(os.environ.get("ROLLOUT_ENGINE_THREADS", "1")))
         engine = engine_factory(**(factory_kwargs or {}))
         worker = cls(engine, address, rank, **(worker_kwargs or {}))
@@ -527,17 +542,17 @@ class EngineWorker:
             worker.run()
         except SystemExit:
             worker.close()
-            return
+            return None
         except StaleWeights as e:
             log.warning("%s", e)
-            raise SystemExit(EXIT_STALE_WEIGHTS) from None
+            return EXIT_STALE_WEIGHTS
         except PermissionError as e:
             log.error("%s", e)
-            raise SystemExit(EXIT_REFUSED) from None
+            return EXIT_REFUSED
         except ConnectionError as e:
             log.error("%s", e)
-            raise SystemExit(EXIT_COORDINATOR_LOST) from None
-        raise SystemExit(worker.exit_code)
+            return EXIT_COORDINATOR_LOST
+        return worker.exit_code
 
     @classmethod
     def spawn(
