@@ -827,7 +827,8 @@ def test_lora_snippet():
     manager, policy = ns["manager"], ns["policy"]
     assert manager.version == 2
     adapter = sum(p.numel() * 4 for n, p in policy.named_parameters() if "lora_" in n)
-    assert manager.stats()["weight_sync/bytes"] == adapter
+    scales = sum("lora_A" in n for n, _ in policy.named_parameters())  # one fp32 per module
+    assert manager.stats()["weight_sync/bytes"] == adapter + 4 * scales  # the scale travels too
     assert adapter < sum(p.numel() * 4 for p in policy.parameters()) / 5
 
 
