@@ -68,6 +68,7 @@ from rollout.rl.episodes import episode_metrics
 from rollout.rl.manager import RolloutManager
 from rollout.rl.samples import Sample, collate
 from rollout.sampling import logprobs_temperature
+from trainer_hooks import batch_invariant
 from trainer_hooks.distributed import TrainerGroup, grad_sync, trainer_group, weights_digest
 from trainer_hooks.hooks import RolloutHooks
 from trainer_hooks.losses import group_advantages, policy_loss, sequence_log_probs
@@ -89,6 +90,7 @@ _MAX_KEYS = (
     "train/ratio_max",
     "train/is_weight_max",
     "mismatch/logp_abs_diff_max",
+    "mismatch/logprob_abs_diff_max",
     "mismatch/is_weight_raw_max",
 )
 
@@ -230,7 +232,10 @@ def grpo_update(
     skip = t.kl_coef == 0 and not counts[1].item()
     chunks = [slice(i, i + t.batch) for i in range(0, batch["tokens"].shape[0], t.batch)]
     temp = logprobs_temperature(r.logprobs_mode.value, r.temperature)  # the behaviour log-probs'
-    with torch.no_grad():
+    # rollout.batch_invariant: every forward runs the engine's ops (old and behaviour log-probs
+    # of fresh tokens are then equal bit for bit: mismatch/logprob_abs_diff_max == 0.0)
+    invariant = batch_invariant.enabled if r.batch_invariant else contextlib.nullcontext
+    with torch.no_grad(), invariant():
         old = [sequence_log_probs(model(batch["tokens"][c]), batch["tokens"][c], mask[c], temp) for c in chunks]  # fmt: skip
         ref = None
         if ref_model is not None:
@@ -241,7 +246,7 @@ def grpo_update(
     for _ in range(t.ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
         for k, c in enumerate(chunks):
-            with grad_sync(model, k == len(chunks) - 1):
+            with grad_sync(model, k == len(chunks) - 1), invariant():
                 new = sequence_log_probs(
                     model(batch["tokens"][c]), batch["tokens"][c], mask[c], temp
                 )

@@ -70,6 +70,7 @@ COVERED = {
     "torchrun --standalone --nproc_per_node=2 -m recipes.grpo_reverse": "test_torchrun_trainer",
     "python -m recipes.grpo_reverse rollout.launcher=ray rollout.dp=2": "test_ray_launcher_recipe",
     "rollout serve --model DIR --dp 2 --launcher ray": "test_serve_launcher_ray",
+    "python -m recipes.grpo_reverse rollout.batch_invariant=true": "test_batch_invariant_recipe",
 }  # fmt: skip
 # README ```python blocks (by the heading above them) -> the test that executes them.
 SNIPPETS = {
@@ -82,6 +83,7 @@ SNIPPETS = {
     "### Routing replay for MoE models (R3)": "test_routing_replay_snippet",
     "### Batch-invariant mode": "test_batch_invariant_snippet",
     "#### Replaying a rollout bit for bit": "test_replay_snippet",
+    "#### In the trainer": "test_batch_invariant_trainer_snippet",
 }
 # README commands no test runs, each with the reason; keep this short.
 NOT_RUN = {
@@ -780,6 +782,37 @@ def test_routing_replay_snippet():
                                                                        hf_model=hf_model))  # fmt: skip
     assert ns["batch"]["routed_experts"].shape[2:] == (2, 2)
     assert ns["logits"].shape[:2] == ns["batch"]["tokens"].shape
+
+
+@pytest.mark.timeout(120)
+def test_batch_invariant_trainer_snippet():
+    """The trainer block on a tiny Qwen3: samples from a batch-invariant manager."""
+    transformers = pytest.importorskip("transformers")
+    from rollout import InferenceConfig
+    from rollout.models import from_transformers
+    from rollout.rl.manager import RolloutManager, RolloutManagerConfig
+    from rollout.tokenizers import ByteTokenizer
+
+    tok = ByteTokenizer()
+    cfg = transformers.Qwen3Config(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=48,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2)  # fmt: skip
+    hf_model = transformers.Qwen3ForCausalLM(cfg)
+    model, _ = from_transformers(hf_model)
+    sp = SamplingParams(num_tokens_to_generate=4, temperature=0.7)
+    icfg = InferenceConfig(batch_invariant=True)
+    with RolloutManager(RolloutManagerConfig(logprobs_mode="processed"), model=model,
+                        tokenizer=tok, inference_config=icfg) as m:  # fmt: skip
+        samples = m.generate(["ab", "cde"], n=2, sampling_params=sp)
+    ns = exec_snippet("#### In the trainer", dict(samples=samples, hf_model=hf_model, t=0.7))
+    assert ns["new_logp"].requires_grad
+
+
+@pytest.mark.timeout(300)
+def test_batch_invariant_recipe(tmp_path):
+    saved = run_recipe(readme_command("test_batch_invariant_recipe"), tmp_path / "run")
+    rows = train_rows(saved)
+    assert len(rows) == 2 and all(r["mismatch/logprob_abs_diff_max"] == 0.0 for r in rows)
 
 
 @pytest.mark.clients

@@ -20,6 +20,11 @@ observation tokens from an environment never enter the loss):
     k3_t    = exp(ref_t - new_t) - (ref_t - new_t) - 1            (>= 0, unbiased KL(pi||ref))
     loss_t  = w_t * pg_t + kl_coef * k3_t
 
+`mismatch/logp_abs_diff_*` compare old_logp with behaviour_logp on every trained token
+(staleness and numerics together); `mismatch/logprob_abs_diff_max` only on the tokens of
+policy staleness 0, sampled with the very weights the trainer holds: the numeric mismatch
+alone, exactly 0.0 in batch-invariant mode (`trainer_hooks.batch_invariant`).
+
 `w` reweights tokens sampled by mu as if they came from pi_prox, truncated at `tis_cap` so a
 few wildly off-policy tokens cannot blow up the variance. Tokens whose policy staleness exceeds
 `max_staleness` are masked out before aggregation (token-level staleness bound).
@@ -38,6 +43,8 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor
+
+from rollout.models import batch_invariant
 
 LossAgg = Literal["token-mean", "seq-mean"]
 _LOSS_AGGS = ("token-mean", "seq-mean")
@@ -72,8 +79,10 @@ def token_log_probs(
     [B, T].
 
     No shift: position t's logits score `targets[:, t]`. fp32 because bf16 log-softmax is too
-    coarse to compare trainer and engine log-probs. Computed as logit - logsumexp over chunks of
-    `chunk_tokens` positions, so the fp32 copy of a large-vocabulary batch never exists at once.
+    coarse to compare trainer and engine log-probs. Computed over chunks of `chunk_tokens`
+    positions, so the fp32 copy of a large-vocabulary batch never exists at once, by the engine
+    sampler's own formula (`rollout.models.batch_invariant.log_softmax`): under
+    `trainer_hooks.batch_invariant.enabled()` the result equals the behaviour log-probs bitwise.
     `temperature` must be the one the behaviour log-probs were computed at, so the two are the
     same function of the same weights: `SamplingParams.logprobs_temperature` (1 for raw,
     the sampling temperature for processed; `rollout.sampling.logprobs_temperature`).
@@ -88,10 +97,9 @@ def token_log_probs(
     tgt = targets.reshape(-1, 1).long()
     parts = []
     for i in range(0, flat.shape[0], max(1, chunk_tokens)):
-        chunk = flat[i : i + chunk_tokens].float()
-        if temperature != 1.0:
-            chunk = chunk / temperature
-        parts.append(chunk.gather(-1, tgt[i : i + chunk_tokens]).squeeze(-1) - chunk.logsumexp(-1))
+        # the engine sampler's formula (rollout.models.batch_invariant): the same bits per row
+        chunk = batch_invariant.log_softmax(flat[i : i + chunk_tokens], temperature)
+        parts.append(chunk.gather(-1, tgt[i : i + chunk_tokens]).squeeze(-1))
     if not parts:
         return torch.zeros(targets.shape, dtype=torch.float32, device=logits.device)
     return torch.cat(parts).view(targets.shape)
@@ -203,6 +211,12 @@ def policy_loss(
         if tis_cap is not None:
             weight = raw.clamp(max=tis_cap)
         metrics.update(_mismatch_metrics(old, beh, raw, m, tis_cap))
+        fresh = m
+        if staleness is not None:
+            fresh = m & (_same_shape("staleness", staleness, shape).to(m.device) == 0)
+        # numeric mismatch alone: tokens the trainer's current weights sampled (exactly 0.0
+        # with trainer_hooks.batch_invariant on both sides)
+        metrics["mismatch/logprob_abs_diff_max"] = _masked_max((old - beh).abs(), fresh)
     per_token = weight * pg
 
     kl = None

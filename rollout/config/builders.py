@@ -100,7 +100,8 @@ def inference_config(run: RunConfig) -> InferenceConfig:
         streaming_interval=e.streaming_interval, cuda_graphs=e.cuda_graphs,
         async_scheduling=e.async_scheduling,
         attention_backend=e.attention_backend.value,
-        batch_invariant=e.batch_invariant,
+        # rollout.batch_invariant: the trainer's forwards too (recipes/common.py)
+        batch_invariant=e.batch_invariant or run.rollout.batch_invariant,
         device=str(resolve_device(run)),
         dtype=run.model.dtype.value,
     )  # fmt: skip

@@ -161,6 +161,9 @@ class RolloutCfg:
     # (the loss recomputes them at that temperature); raw = at temperature 1
     logprobs_mode: LogprobsMode = LogprobsMode.processed
     routing_replay: bool = False  # MoE: record each token's experts for the trainer (R3)
+    # engines and the trainer's forward run the same batch-invariant ops: behaviour log-probs
+    # equal the trainer's bit for bit (trainer_hooks.batch_invariant)
+    batch_invariant: bool = False
     max_staleness: int = 1  # weight updates a trained token may lag behind
     stale_policy: StalePolicy = StalePolicy.drop
     kv_policy: KVPolicy = KVPolicy.recompute
