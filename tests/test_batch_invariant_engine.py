@@ -19,7 +19,7 @@ from rollout.models.lora import LoraSpec, apply_lora
 
 pytestmark = pytest.mark.timeout(600)
 
-NEW = 6
+NEW = 5
 NEEDLE = prompts_of([11], seed=42)[0]
 
 
@@ -72,7 +72,7 @@ def test_needle_alone_equals_the_needle_anywhere_in_random_batches(model):
     g = torch.Generator().manual_seed(0)
     for trial in range(5):
         m = int(torch.randint(2, 65, (1,), generator=g))
-        lengths = torch.randint(1, 25, (m,), generator=g).tolist()
+        lengths = torch.randint(1, 17, (m,), generator=g).tolist()
         prompts = prompts_of(lengths, seed=100 + trial)
         params = [greedy_sp() if i % 2 else seeded_sp(seed=i) for i in range(m)]
         a, b = torch.randperm(m, generator=g)[:2].tolist() if m > 1 else (0, 0)
@@ -192,8 +192,7 @@ def test_moe_experts_and_log_probs_are_exact_across_paths_and_under_routing_repl
     assert same(alone, eager[0])
     assert torch.equal(torch.stack(alone.routed_experts), torch.stack(eager[0].routed_experts))
 
-    sampled = moe_engine().generate(PROMPTS, replay_params(seed=3))
-    batch = collate([sample_of(r) for r in sampled])
+    batch = collate([sample_of(r) for r in eager])
     trainer, _ = from_transformers(hf)
     trainer.batch_invariant = True
     tokens = batch["tokens"]

@@ -35,7 +35,10 @@ from trainer_hooks.routing_replay import moe_routers, replay_routing
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(240)
 
-TOLERANCE = 1e-5
+# default mode: the trainer and the engine batch differently, and the CPU GEMM kernels round by
+# batch shape (issue 28), measured up to 2.6e-5 over 160 near-tie tokens; re-routing moves
+# log-probs by > 1e-2. The batch-invariant mode compares bits (test_batch_invariant_engine.py).
+TOLERANCE = 1e-4
 VOCAB, LAYERS, EXPERTS, TOP_K = 101, 2, 6, 2
 PROMPTS = [[5, 17, 3, 99, 42, 7, 7, 1, 60, 2, 33], [60, 2, 33, 8], list(range(10, 40))]
 NEW_TOKENS = 14
