@@ -42,6 +42,21 @@ def test_linear_rows_do_not_depend_on_the_batch(dtype):
     assert torch.equal(bi.linear(x.view(3, 7, 96), w).view(21, -1), bi.linear(x, w))
 
 
+@pytest.mark.parametrize("out_features, in_features", [(1, 32), (8, 5), (17, 33), (3, 100)])
+def test_linear_odd_shapes(out_features, in_features):
+    """One output row (Qwen2-MoE's shared-expert gate) and odd K take other kernel paths."""
+    torch.manual_seed(9)
+    w = torch.randn(out_features, in_features)
+    x = torch.randn(300, in_features)
+    full = bi.linear(x, w)
+    assert full.shape == (300, out_features)
+    assert torch.allclose(full, F.linear(x, w), atol=1e-4)
+    for i in range(0, 300, 13):
+        assert torch.equal(bi.linear(x[i : i + 1], w)[0], full[i])
+    for m in (1, 5, 17, 40):
+        assert torch.equal(bi.linear(x[:m], w), full[:m])
+
+
 def test_rms_norm_and_log_softmax_rows():
     torch.manual_seed(1)
     w = torch.randn(64)
@@ -67,10 +82,11 @@ def _attend_alone(q, k, v, p, scale):
     return bi.attention(q[:, p : p + 1], k[:, : p + 1], v[:, : p + 1], pos, scale)[0, 0]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attention_query_is_the_same_in_decode_prefill_and_dense_batches(dtype):
+@pytest.mark.parametrize("dtype, dim", [(torch.float32, 16), (torch.bfloat16, 16),
+                                        (torch.float32, 12)])  # fmt: skip
+def test_attention_query_is_the_same_in_decode_prefill_and_dense_batches(dtype, dim):
     torch.manual_seed(2)
-    heads, kvh, dim, length = 4, 2, 16, 50
+    heads, kvh, length = 4, 2, 50
     q = torch.randn(1, length, heads, dim).to(dtype)
     k, v = (torch.randn(1, length, kvh, dim).to(dtype) for _ in range(2))
     scale = dim**-0.5

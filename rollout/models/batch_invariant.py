@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 ROW_TILE = 16  # rows per GEMM tile (linear and attention queries)
+K_TILE = 16  # GEMM reduction dims are zero-padded to a multiple of this
 KV_SPLIT = 16  # keys per attention block (position-aligned: block j = [16j, 16j + 16))
 _ATTN_CHUNK = 1 << 24  # elements per attention work chunk (bounds memory, not the result)
 
@@ -71,17 +72,25 @@ def _pad_rows(x: torch.Tensor, tile: int) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) with each row's bits independent of the other rows: rows are
-    zero-padded to ROW_TILE and multiplied tile by tile (fixed [ROW_TILE, K] x [K, N] GEMMs)."""
+    zero-padded to ROW_TILE and multiplied tile by tile (fixed [ROW_TILE, K] x [K, N] GEMMs).
+    K is zero-padded to a multiple of K_TILE and N to at least 2: odd K (5, 33) and N = 1 (a
+    gemv-like path) were measured to depend on the tile count (no copy when K % 16 == 0)."""
     shape = x.shape
+    out_features = weight.shape[0]
     rows = x.reshape(-1, shape[-1])
     m = rows.shape[0]
-    tiles = _pad_rows(rows, ROW_TILE).view(-1, ROW_TILE, shape[-1])
+    k_pad, n_pad = -shape[-1] % K_TILE, max(0, 2 - out_features)
+    if k_pad:
+        rows, weight = F.pad(rows, (0, k_pad)), F.pad(weight, (0, k_pad))
+    if n_pad:
+        weight = F.pad(weight, (0, 0, 0, n_pad))
+    tiles = _pad_rows(rows, ROW_TILE).view(-1, ROW_TILE, rows.shape[-1])
     wt = weight.t()
     out = torch.bmm(tiles, wt.expand(tiles.shape[0], *wt.shape)).reshape(-1, weight.shape[0])
-    out = out[:m]
+    out = out[:m, :out_features]
     if bias is not None:
         out = out + bias
-    return out.reshape(*shape[:-1], weight.shape[0])
+    return out.reshape(*shape[:-1], out_features)
 
 
 def module_linear(x: torch.Tensor, lin: torch.nn.Module) -> torch.Tensor:
@@ -157,9 +166,11 @@ def attention(
     valid = key_pos[None, :] < (length if k_lens is None else k_lens[:, None])  # [B, L']
     if k_mask is not None:
         valid = valid & F.pad(k_mask.to(torch.bool), (0, l_pad))
-    qf = F.pad(q.float(), (0, 0, 0, 0, 0, n_pad)).transpose(1, 2)  # [B, H, n', D]
+    d_pad = -q.shape[-1] % K_TILE  # the scores' reduction dim, as in `linear`
+    qf = F.pad(q.float(), (0, d_pad, 0, 0, 0, n_pad)).transpose(1, 2)  # [B, H, n', D']
     group = heads // kvh
-    kf, vf = (F.pad(t.float(), (0, 0, 0, 0, 0, l_pad)).transpose(1, 2) for t in (k, v))
+    kf = F.pad(k.float(), (0, d_pad, 0, 0, 0, l_pad)).transpose(1, 2)
+    vf = F.pad(v.float(), (0, 0, 0, 0, 0, l_pad)).transpose(1, 2)
     if group > 1:  # GQA by index (exact copies)
         kf, vf = kf.repeat_interleave(group, 1), vf.repeat_interleave(group, 1)
     vf = vf.masked_fill(~valid[:, None, :, None], 0.0)  # no garbage (NaN) times a zero weight
@@ -172,28 +183,29 @@ def attention(
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """q [B, H, n, D], k/v [B, H, L, D] (n, L multiples of the tiles), allowed [B, n, L]."""
+    """q/k [B, H, n/L, D], v [B, H, L, Dv] (n, L multiples of the tiles), allowed [B, n, L]
+    -> [B, H, n, Dv]."""
     b, h, n, d = q.shape
-    length = k.shape[2]
+    length, dv = k.shape[2], v.shape[-1]
     nqt, nkb = n // ROW_TILE, length // KV_SPLIT
     q = q.reshape(b * h, nqt, ROW_TILE, d)
     k = k.reshape(b * h, length, d)
-    v = v.reshape(b * h, nkb, KV_SPLIT, d)
+    v = v.reshape(b * h, nkb, KV_SPLIT, dv)
     allowed = allowed[:, None].expand(b, h, n, length).reshape(b * h, nqt, ROW_TILE, length)
     per_bh = nqt * length * max(d, ROW_TILE)
     step = max(1, _ATTN_CHUNK // max(per_bh, 1))
     outs = [_attend_chunk(q[i : i + step], k[i : i + step], v[i : i + step],
                           allowed[i : i + step], scale)
             for i in range(0, b * h, step)]  # fmt: skip
-    return torch.cat(outs).view(b, h, n, d)
+    return torch.cat(outs).view(b, h, n, dv)
 
 
 def _attend_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """q [G, nqt, T, D], k [G, L, D], v [G, nkb, S, D], allowed [G, nqt, T, L] -> [G, n, D]."""
+    """q [G, nqt, T, D], k [G, L, D], v [G, nkb, S, Dv], allowed [G, nqt, T, L] -> [G, n, Dv]."""
     g, nqt, t, d = q.shape
-    length = k.shape[1]
+    length, dv = k.shape[1], v.shape[-1]
     nkb = length // KV_SPLIT
     kt = k.transpose(1, 2)[:, None].expand(g, nqt, d, length).reshape(g * nqt, d, length)
     s = torch.bmm(q.reshape(g * nqt, t, d), kt).view(g, nqt, t, length)  # [T, D] x [D, L] tiles
@@ -202,11 +214,11 @@ def _attend_chunk(
     p = p.view(g, nqt, t, nkb, KV_SPLIT)
     den = p.sum(-1)  # [G, nqt, T, nkb]: per block, a KV_SPLIT-long last-dim sum
     pt = p.permute(0, 1, 3, 2, 4).reshape(g * nqt * nkb, t, KV_SPLIT)
-    vt = v[:, None].expand(g, nqt, nkb, KV_SPLIT, d).reshape(g * nqt * nkb, KV_SPLIT, d)
-    num = torch.bmm(pt, vt).view(g, nqt, nkb, t, d)  # [T, S] x [S, D] tiles
+    vt = v[:, None].expand(g, nqt, nkb, KV_SPLIT, dv).reshape(g * nqt * nkb, KV_SPLIT, dv)
+    num = torch.bmm(pt, vt).view(g, nqt, nkb, t, dv)  # [T, S] x [S, Dv] tiles
     num = _ordered_sum(num, 2)  # [G, nqt, T, D]
     den = _ordered_sum(den, 3)  # [G, nqt, T]
-    return (num / den[..., None]).reshape(g, nqt * t, d)
+    return (num / den[..., None]).reshape(g, nqt * t, dv)
 
 
 def _ordered_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -336,6 +348,9 @@ def _check(dtype: torch.dtype, device: torch.device) -> None:
     full = linear(rows, w)
     if not torch.equal(full[:, :64], linear(rows, w[:64])):
         raise BatchInvariantUnsupported("linear: a split weight's columns differ from the fused")
+    gate_w, odd_w = rand(1, hidden), rand(8, 33)  # one output (a shared-expert gate), odd K
+    _needle("linear", lambda x: linear(x, gate_w), rows)
+    _needle("linear", lambda x: linear(x, odd_w), rand(40, 33))
     _thread_check("linear", lambda: linear(rows, w))
     norm_w = rand(hidden)
     _needle("rms_norm", lambda x: rms_norm(x, norm_w, 1e-6), rows)
