@@ -185,6 +185,8 @@ def test_builders(hf_dir):
         "bfloat16",
         "cpu",
     )
+    assert ic.batch_invariant is False
+    assert inference_config(load_config(["engine.batch_invariant=true"])).batch_invariant is True
     sp = sampling_params(run, stop_token_ids=[257])
     assert sp.num_tokens_to_generate == run.rollout.max_new_tokens and sp.return_log_probs
     assert sp.stop_token_ids == [257]
