@@ -510,8 +510,8 @@ class DynamicInferenceEngine:
         interval = self.config.streaming_interval
         if reason is not None:
             self._complete(seq, reason)
-        elif interval and seq.num_generated - seq.streamed >= interval:
-            out.partials.append(seq.take_partial())
+        elif interval and (seq.num_generated - seq.streamed >= interval or seq.streamed == 0):
+            out.partials.append(seq.take_partial())  # the first token at once (a stream's TTFT)
 
     def _complete(self, seq: Sequence, reason: str) -> None:
         """Finish `seq` with `reason` (its record comes out of this step); a fault while
