@@ -110,17 +110,20 @@ def _logit_bias(value: Any) -> dict[int, float] | None:
     if len(value) > MAX_TOKEN_SET:
         raise ValueError(f"logit_bias holds at most {MAX_TOKEN_SET} entries, got {len(value)}")
     out: dict[int, float] = {}
-    for k, v in value.items():
-        if isinstance(k, str):
-            try:
-                k = int(k)
-            except ValueError:
-                raise ValueError(f"logit_bias keys must be token ids, got {_short(k)}") from None
-        tid = _int("logit_bias", k, 0, INT_LIMIT)
-        bias = _float("logit_bias", v)
-        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for {tid}")
-        out[tid] = bias
+    try:
+        for k, v in value.items():
+            if isinstance(k, str):
+                try:
+                    k = int(k)
+                except ValueError:
+                    raise ValueError(f"logit_bias keys must be token ids, got {_short(k)}") from None
+            tid = _int("logit_bias", k, 0, INT_LIMIT)
+            bias = _float("logit_bias", v)
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r}")
+            out[tid] = bias
+    except ValueError as e:
+        raise ValueError(f"{e} in {_short(value)}") from None
     return out
 
 
@@ -228,14 +231,15 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             ids = _token_ids("allowed_token_ids", self.allowed_token_ids, MAX_TOKEN_SET)
             if not ids:
-                raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+                raise ValueError("allowed_token_ids must not be empty (None allows every token), "
+                                 "got []")  # fmt: skip
             self.allowed_token_ids = ids
         words = _seq("bad_words", self.bad_words, MAX_BAD_WORDS)
         for w in words:
             if not isinstance(w, str) or not w.strip() or len(w) > MAX_STOP_WORD_CHARS:
                 raise ValueError(
                     f"bad_words must hold non-blank str of at most {MAX_STOP_WORD_CHARS} "
-                    f"characters, got {_short(w)}"
+                    f"characters, got {_short(w)} in {_short(words)}"
                 )
         self.bad_words = words
         for name in ("presence_penalty", "frequency_penalty"):
