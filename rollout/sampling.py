@@ -116,7 +116,9 @@ def _logit_bias(value: Any) -> dict[int, float] | None:
                 try:
                     k = int(k)
                 except ValueError:
-                    raise ValueError(f"logit_bias keys must be token ids, got {_short(k)}") from None
+                    raise ValueError(
+                        f"logit_bias keys must be token ids, got {_short(k)}"
+                    ) from None
             tid = _int("logit_bias", k, 0, INT_LIMIT)
             bias = _float("logit_bias", v)
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:

@@ -65,6 +65,22 @@ def test_no_op_values_and_logits_parameters_mean_the_same_on_every_route(server)
     assert tokens_on(server, "generate", {"allowed_token_ids": [120, 121]}) == allowed
 
 
+def test_masked_tokens_are_not_among_the_top_log_probs(server):
+    """processed log-probs of masked tokens are -inf: they are left out of the top-n (JSON has
+    no -inf), so a top-5 over two allowed tokens holds two."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "logprobs": 5,
+            "logprobs_mode": "processed_logprobs", "allowed_token_ids": [120, 121]}  # fmt: skip
+    for stream in (False, True):
+        if stream:
+            chunks = _chunks(server, "/v1/completions", {**body, "stream": True})
+            tops = [t for c in chunks for t in c["choices"][0]["logprobs"]["top_logprobs"]]
+        else:
+            r = post(server, "/v1/completions", body)
+            assert r.status_code == 200, r.text
+            tops = r.json()["choices"][0]["logprobs"]["top_logprobs"]
+        assert len(tops) == 4 and all(1 <= len(t) <= 2 for t in tops)
+
+
 def test_skyrl_train_remote_engine_body(server):
     """skyrl-train's RemoteInferenceEngine (vllm backend) POSTs its sampling params, as
     `get_vllm_sampling_params` builds them from its default config, with `model` and a batch of
@@ -92,8 +108,11 @@ def test_skyrl_train_remote_engine_body(server):
         ("/v1/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
         ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
         ("/v1/completions", {"skip_special_tokens": False}, "skip_special_tokens"),
-        ("/v1/completions", {"spaces_between_special_tokens": False},
-         "spaces_between_special_tokens"),  # fmt: skip
+        (
+            "/v1/completions",
+            {"spaces_between_special_tokens": False},
+            "spaces_between_special_tokens",
+        ),
         ("/v1/completions", {"min_tokens": 9}, "min_tokens"),
         ("/v1/completions", {"presence_penalty": 2.5}, "presence_penalty"),
         ("/v1/chat/completions", {"repetition_penalty": 0}, "repetition_penalty"),
@@ -106,7 +125,9 @@ def test_skyrl_train_remote_engine_body(server):
 )
 def test_refused_with_the_parameter_named(server, path, extra, param):
     body = {"model": "tiny", "max_tokens": 4, **extra}
-    body |= {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
+    body |= (
+        {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
+    )
     r = post(server, path, body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and param in r.json()["error"]["message"]
@@ -114,8 +135,11 @@ def test_refused_with_the_parameter_named(server, path, extra, param):
 
 @pytest.mark.parametrize(
     "params, param",
-    [({"max_tokens": 2, "min_tokens": 3}, "min_tokens"), ({"prompt_logprobs": 1}, "prompt_logprobs"),
-     ({"logit_bias": {"7": -200}}, "logit_bias")],  # fmt: skip
+    [
+        ({"max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"logit_bias": {"7": -200}}, "logit_bias"),
+    ],
 )
 def test_generate_route_refuses_by_name(server, params, param):
     r = post(server, "/inference/v1/generate", {"token_ids": PROMPT, "sampling_params": params})
@@ -169,7 +193,11 @@ def test_metrics_label_the_included_routes_by_template(server):
     post(server, "/tokenize", {"prompt": "hi"})
     post(server, "/detokenize", {"tokens": [104, 105]})
     httpx.get(f"{server.url}/tokenizer_info", headers=server.auth)
-    post(server, "/inference/v1/generate", {"token_ids": PROMPT, "sampling_params": {"max_tokens": 1}})
+    post(
+        server,
+        "/inference/v1/generate",
+        {"token_ids": PROMPT, "sampling_params": {"max_tokens": 1}},
+    )
     text = httpx.get(f"{server.url}/metrics", headers=server.auth).text
     routes = {
         s.labels["route"]

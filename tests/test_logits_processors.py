@@ -239,3 +239,33 @@ def test_out_of_vocab_ids_fail_the_request_naming_the_parameter(model):
 
 def _error(record) -> str:
     return str([e.payload for e in record.requests[-1].events if e.payload])
+
+
+# -- RolloutManager: refused by name unless the trainer opts in ----------------------------------
+
+
+def test_manager_refuses_processors_by_name_unless_allowed(model):
+    from rollout.rl.manager import RolloutManager, RolloutManagerConfig
+
+    icfg = InferenceConfig(num_blocks=64)
+    sp = SamplingParams(temperature=0.9, num_tokens_to_generate=6, ignore_eos=True, seed=2,
+                        repetition_penalty=1.4, bad_words=["7"])  # fmt: skip
+    with RolloutManager(RolloutManagerConfig(), model=model, tokenizer=IdTokenizer(),
+                        inference_config=icfg) as mgr:  # fmt: skip
+        with pytest.raises(
+            ValueError, match=r"sampling_params\.bad_words .*allow_logits_processors"
+        ):
+            mgr.generate([PROMPT], sampling_params=sp)
+        assert mgr.generate([PROMPT], sampling_params=sp.replace(  # truncations are not refused
+            repetition_penalty=1.0, bad_words=[], min_p=0.1, top_k=-1))  # fmt: skip
+    cfg = RolloutManagerConfig(allow_logits_processors=True)
+    with RolloutManager(cfg, model=model, tokenizer=IdTokenizer(), inference_config=icfg) as mgr:
+        sample = mgr.generate([PROMPT], sampling_params=sp)[0]
+        eos = mgr.engine._eos
+    toks = sample.completion_tokens
+    assert 7 not in toks
+    with torch.no_grad():  # the trainer's side: its logits, processed as the engine did
+        logits = model(torch.tensor([PROMPT + toks]))[0, len(PROMPT) - 1 : -1]
+    logits = process(logits, sp, PROMPT, toks, IdTokenizer(), eos) / 0.9
+    want = torch.log_softmax(logits, -1).gather(1, torch.tensor(toks)[:, None])[:, 0]
+    assert sample.logprobs == pytest.approx(want.tolist(), abs=1e-4)

@@ -499,6 +499,8 @@ class DynamicInferenceEngine:
         token = result.tokens[i]
         lp = result.log_probs[i] if sp.return_log_probs else None
         top = result.top_n[i] if sp.top_n_logprobs else None
+        if top and seq.processors is not None:  # masked tokens (-inf) are not among the top
+            top = {k: v for k, v in top.items() if v != float("-inf")}
         seq.request.append_token(token, lp, top, self.weight_version, now)
         if self.routing is not None and (experts := self.routing.take(seq)) is not None:
             seq.request.routed_experts.append(experts)

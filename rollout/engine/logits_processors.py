@@ -27,6 +27,14 @@ from rollout.engine.intake import RequestError
 from rollout.sampling import SamplingParams
 from rollout.tokenizers import tokenize_with
 
+PROCESSORS = {"min_tokens": 0, "logit_bias": None, "allowed_token_ids": None, "bad_words": [],
+              "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}  # fmt: skip
+
+
+def processors_of(sp: SamplingParams) -> list[str]:
+    """The names of the parameters of `sp` that reshape its logits (not at their default)."""
+    return [name for name, off in PROCESSORS.items() if (v := getattr(sp, name)) and v != off]
+
 
 def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
     """vLLM's tokenization of `bad_words`: each word as it starts the text and, when that is a
