@@ -158,10 +158,7 @@ def apply(
     "processed", else the model's. Both are `logits` itself when no row has a processor."""
     if not states or all(s is None for s in states):
         return logits, logits
-    x = logits.clone()
-    for i, state in enumerate(states):
-        if state is not None:
-            process_row(x[i], state)
+    x = process_rows(logits.clone(), states)
     modes = [p.logprobs_mode == "processed" and s is not None for p, s in zip(params, states, strict=True)]  # fmt: skip
     if not any(modes):
         return x, logits
@@ -171,29 +168,56 @@ def apply(
     return x, torch.where(pick, x, logits)
 
 
-def process_row(x: torch.Tensor, state: RequestLogits) -> torch.Tensor:
-    """One row's processed logits [V] (in place), from the row's tokens so far."""
-    state._update()
-    sp, dev = state.sp, x.device
-    c = state.cached(dev)
-    if "allowed" in c:
-        keep = torch.full_like(x, float("-inf"))
-        keep[c["allowed"]] = 0.0
-        x += keep
-    banned = state.banned_now()
+def process_rows(x: torch.Tensor, states: Sequence[RequestLogits | None]) -> torch.Tensor:
+    """Every row's processors on float logits [B, V], in place: each stage is one indexed
+    update over the (row, token) pairs of all rows, so a step costs a few kernels whatever the
+    batch size. Pairs within one stage are distinct (each row's ids are a set)."""
+    dev, inf = x.device, float("-inf")
+    rows = [(i, s) for i, s in enumerate(states) if s is not None]
+    for _, s in rows:
+        s._update()
+    allowed = [(i, s.cached(dev)["allowed"]) for i, s in rows if s.sp.allowed_token_ids]
+    if allowed:
+        keep = torch.full((len(allowed), x.shape[1]), inf, dtype=x.dtype, device=dev)
+        r, t = _pairs([(j, ids) for j, (_, ids) in enumerate(allowed)], dev)
+        keep[r, t] = 0.0
+        x[_on(dev, [i for i, _ in allowed], torch.int64)] += keep
+    banned = [(i, b) for i, s in rows if (b := s.banned_now())]
     if banned:
-        x[_on(dev, banned, torch.int64)] = float("-inf")
-    if "bias" in c:
-        x.index_add_(0, c["bias_ids"], c["bias"])
-    if sp.repetition_penalty != 1.0 and state._rep:
-        ids = _on(dev, list(state._rep), torch.int64)
-        v = x[ids]
-        x[ids] = torch.where(v > 0, v / sp.repetition_penalty, v * sp.repetition_penalty)
-    if (sp.frequency_penalty or sp.presence_penalty) and state._out:
-        ids = _on(dev, list(state._out), torch.int64)
-        counts = _on(dev, list(state._out.values()), x.dtype)
-        x.index_add_(0, ids, -(sp.frequency_penalty * counts + sp.presence_penalty))
+        x[_pairs(banned, dev)] = inf
+    bias = [(i, s) for i, s in rows if s.sp.logit_bias]
+    if bias:
+        r, t = _pairs([(i, s.cached(dev)["bias_ids"]) for i, s in bias], dev)
+        x.index_put_((r, t), torch.cat([s.cached(dev)["bias"] for _, s in bias]), accumulate=True)
+    rep = [(i, s) for i, s in rows if s.sp.repetition_penalty != 1.0 and s._rep]
+    if rep:
+        r, t = _pairs([(i, list(s._rep)) for i, s in rep], dev)
+        pen = _on(dev, [s.sp.repetition_penalty for _, s in rep], x.dtype)
+        pen = pen.repeat_interleave(_on(dev, [len(s._rep) for _, s in rep], torch.int64))
+        v = x[r, t]
+        x[r, t] = torch.where(v > 0, v / pen, v * pen)
+    freq = [(i, s) for i, s in rows if (s.sp.frequency_penalty or s.sp.presence_penalty) and s._out]
+    if freq:
+        r, t = _pairs([(i, list(s._out)) for i, s in freq], dev)
+        counts = _on(dev, [c for _, s in freq for c in s._out.values()], x.dtype)
+        fp = _on(dev, [(s.sp.frequency_penalty, s.sp.presence_penalty) for _, s in freq], x.dtype)
+        fp = fp.repeat_interleave(_on(dev, [len(s._out) for _, s in freq], torch.int64), dim=0)
+        x.index_put_((r, t), -(fp[:, 0] * counts + fp[:, 1]), accumulate=True)
     return x
+
+
+def _pairs(
+    ids_per_row: list[tuple[int, list[int] | torch.Tensor]], dev: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) tensors on `dev` of every (row, ids) given: host lists are joined
+    on the host (one copy each), device tensors (the cached id sets) on the device."""
+    if isinstance(ids_per_row[0][1], list):
+        rows = [i for i, ids in ids_per_row for _ in ids]
+        toks = [t for _, ids in ids_per_row for t in ids]
+        return _on(dev, rows, torch.int64), _on(dev, toks, torch.int64)
+    lengths = _on(dev, [len(ids) for _, ids in ids_per_row], torch.int64)
+    rows = _on(dev, [i for i, _ in ids_per_row], torch.int64).repeat_interleave(lengths)
+    return rows, torch.cat([ids for _, ids in ids_per_row])
 
 
 def min_p(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -232,6 +256,6 @@ def process(
     state.attach(tokens, len(prompt))
     out = logits.float().clone()
     for j, t in enumerate(completion):
-        process_row(out[j], state)
+        process_rows(out[j : j + 1], [state])
         tokens.append(int(t))
     return out
