@@ -232,9 +232,10 @@ def min_p(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
 
 
 def _on(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
-    from rollout.engine.sampler import to_device  # (sampler imports this module)
-
-    return to_device(values, dtype, device)
+    """A small host list on `device`; on CUDA through pinned memory, as `sampler.to_device`
+    (which imports this module), so the copy queues behind the step instead of syncing."""
+    t = torch.tensor(values, dtype=dtype)
+    return t if device.type != "cuda" else t.pin_memory().to(device, non_blocking=True)
 
 
 def process(
