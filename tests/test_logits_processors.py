@@ -269,3 +269,7 @@ def test_manager_refuses_processors_by_name_unless_allowed(model):
     logits = process(logits, sp, PROMPT, toks, IdTokenizer(), eos) / 0.9
     want = torch.log_softmax(logits, -1).gather(1, torch.tensor(toks)[:, None])[:, 0]
     assert sample.logprobs == pytest.approx(want.tolist(), abs=1e-4)
+    from rollout.rl.replay import check_replayable
+
+    with pytest.raises(ValueError, match="bad_words, repetition_penalty"):
+        check_replayable(sample)  # a replayed segment restarts from a prompt: not covered
