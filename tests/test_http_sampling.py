@@ -107,7 +107,7 @@ def test_skyrl_train_remote_engine_body(server):
         ("/v1/chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
         ("/v1/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
         ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
-        ("/v1/completions", {"skip_special_tokens": False}, "skip_special_tokens"),
+        ("/v1/chat/completions", {"skip_special_tokens": False}, "skip_special_tokens"),
         (
             "/v1/completions",
             {"spaces_between_special_tokens": False},

@@ -7,8 +7,7 @@ caller relying on one would otherwise get different samples: best_of, suffix, re
 other than text, and any field this server does not know (unless null, or one of NO_EFFECT,
 which change nothing a server returns). Extension fields (vLLM's): `top_k` (-1: off),
 `min_p`, `min_tokens`, `repetition_penalty`, `allowed_token_ids`, `bad_words`, `ignore_eos`,
-`stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens` and
-`spaces_between_special_tokens` (true only: the text always skips special tokens),
+`stop_token_ids`, `include_stop_str_in_output`, `spaces_between_special_tokens` (true only),
 `logprobs_mode` (vLLM's values raw_logprobs | processed_logprobs; default: the server's
 --logprobs-mode), and `wait` (false: answer 503 instead of waiting while engines are paused or
 suspended).
@@ -77,7 +76,7 @@ def check_cache_salt(salt: Any) -> None:
 
 STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 # vLLM's text options, at the only value this server has: special tokens are never in the text
-TEXT_DEFAULTS = {"skip_special_tokens": True, "spaces_between_special_tokens": True}
+TEXT_DEFAULTS = {"spaces_between_special_tokens": True}
 # SamplingParams fields set from the request field of the same name when it is not null
 LOGITS_FIELDS = ("top_k", "min_p", "min_tokens", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words")  # fmt: skip
@@ -108,8 +107,7 @@ class _Common(BaseModel):
     repetition_penalty: float | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    skip_special_tokens: bool | None = None
-    spaces_between_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None  # (skip_special_tokens: an extra, above)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     logprobs_mode: str | None = None
