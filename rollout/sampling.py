@@ -16,6 +16,10 @@ MAX_TOP_N_LOGPROBS = 1024  # each generated token carries a dict this big
 MAX_STOP_WORDS = 64  # every stop word is checked after every generated token
 MAX_STOP_WORD_CHARS = 512
 MAX_STOP_TOKEN_IDS = 4096
+MAX_TOKEN_SET = 1 << 18  # logit_bias / allowed_token_ids entries: any vocabulary's size
+MAX_BAD_WORDS = 1024
+MAX_PENALTY = 2.0  # presence/frequency penalties lie in [-2, 2] (OpenAI's and vLLM's range)
+MAX_LOGIT_BIAS = 100.0  # a bias lies in [-100, 100] (OpenAI's range)
 GREEDY_BELOW = 1e-5  # temperature or top_p below this samples greedily (exact where it matters:
 # logits / 1e-46 overflow to inf, and top_p=1e-46 rounds to 0 in float32)
 LOGPROBS_MODES = ("raw", "processed")
@@ -87,6 +91,44 @@ def _seq(name: str, value: Any, max_len: int) -> list:
     return list(value)
 
 
+def _token_ids(name: str, value: Any, max_len: int) -> list[int]:
+    ids = _seq(name, value, max_len)
+    if not all(type(t) is int and 0 <= t < INT_LIMIT for t in ids):
+        try:
+            ids = [_int(name, t, 0, INT_LIMIT) for t in ids]
+        except ValueError as e:
+            raise ValueError(f"{e} in {_short(ids)}") from None
+    return ids
+
+
+def _logit_bias(value: Any) -> dict[int, float] | None:
+    """{token id: bias in [-100, 100]}; str keys (JSON's) are read as ids."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {_short(value)}")
+    if len(value) > MAX_TOKEN_SET:
+        raise ValueError(f"logit_bias holds at most {MAX_TOKEN_SET} entries, got {len(value)}")
+    out: dict[int, float] = {}
+    try:
+        for k, v in value.items():
+            if isinstance(k, str):
+                try:
+                    k = int(k)
+                except ValueError:
+                    raise ValueError(
+                        f"logit_bias keys must be token ids, got {_short(k)}"
+                    ) from None
+            tid = _int("logit_bias", k, 0, INT_LIMIT)
+            bias = _float("logit_bias", v)
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r}")
+            out[tid] = bias
+    except ValueError as e:
+        raise ValueError(f"{e} in {_short(value)}") from None
+    return out
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request. temperature=0 or top_k=1 means greedy; top_k=0 turns top-k off.
@@ -102,6 +144,15 @@ class SamplingParams:
 
     return_routed_experts: record the top-k experts every MoE layer routed each token to (the
     request record's `routed_experts`; routing replay, docs/internals.md "Routing replay").
+
+    vLLM's logits parameters (rollout.engine.logits_processors applies them, in vLLM's order):
+    allowed_token_ids (None: all), bad_words (strings the engine tokenizes as vLLM does; their
+    last token is banned where the rest was just generated), min_tokens (EOS and
+    stop_token_ids banned, stop words not matched, until the request generated that many
+    tokens in all, across checkpoints), logit_bias ({token id: added logit}), the
+    repetition (prompt and generated tokens), frequency and presence (generated tokens)
+    penalties, and min_p (after temperature: drop tokens below min_p x the top probability).
+    top_k=-1 is vLLM's spelling of "off" and is stored as 0.
     """
 
     temperature: float = 1.0
@@ -118,8 +169,18 @@ class SamplingParams:
     logprobs_mode: str | None = None
     return_routed_experts: bool = False
     include_stop_str_in_output: bool = False  # keep the stop word in the generated text
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
+        if type(self.top_k) is int and self.top_k == -1:  # vLLM's "off"
+            self.top_k = 0
         self.temperature = _float("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
@@ -164,6 +225,50 @@ class SamplingParams:
         self.include_stop_str_in_output = _bool(
             "include_stop_str_in_output", self.include_stop_str_in_output
         )
+        self._check_logits_fields()
+
+    def _check_logits_fields(self) -> None:
+        self.min_tokens = _int("min_tokens", self.min_tokens, 0, INT_LIMIT)
+        self.logit_bias = _logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            ids = _token_ids("allowed_token_ids", self.allowed_token_ids, MAX_TOKEN_SET)
+            if not ids:
+                raise ValueError("allowed_token_ids must not be empty (None allows every token), "
+                                 "got []")  # fmt: skip
+            self.allowed_token_ids = ids
+        words = _seq("bad_words", self.bad_words, MAX_BAD_WORDS)
+        for w in words:
+            if not isinstance(w, str) or not w.strip() or len(w) > MAX_STOP_WORD_CHARS:
+                raise ValueError(
+                    f"bad_words must hold non-blank str of at most {MAX_STOP_WORD_CHARS} "
+                    f"characters, got {_short(w)} in {_short(words)}"
+                )
+        self.bad_words = words
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _float(name, getattr(self, name))
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+            setattr(self, name, value)
+        self.repetition_penalty = _float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        self.min_p = _float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+
+    @property
+    def processes_logits(self) -> bool:
+        """True when a parameter reshapes the logits before sampling (not min_p, top-k or
+        top-p, which truncate the distribution the sampler draws from)."""
+        return bool(
+            self.min_tokens
+            or self.logit_bias
+            or self.allowed_token_ids is not None
+            or self.bad_words
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+        )
 
     @property
     def is_greedy(self) -> bool:
@@ -192,6 +297,11 @@ class SamplingParams:
         out = {f: getattr(self, f) for f in _FIELD_ORDER}
         out["stop_words"] = list(self.stop_words)
         out["stop_token_ids"] = list(self.stop_token_ids)
+        out["bad_words"] = list(self.bad_words)
+        if self.logit_bias is not None:
+            out["logit_bias"] = dict(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            out["allowed_token_ids"] = list(self.allowed_token_ids)
         return out
 
     @classmethod
@@ -203,6 +313,11 @@ class SamplingParams:
             sp = object.__new__(cls)
             sp.__dict__.update(obj)
             sp.stop_words, sp.stop_token_ids = list(obj["stop_words"]), list(obj["stop_token_ids"])
+            sp.bad_words = list(obj["bad_words"])
+            if sp.logit_bias is not None:
+                sp.logit_bias = dict(sp.logit_bias)
+            if sp.allowed_token_ids is not None:
+                sp.allowed_token_ids = list(sp.allowed_token_ids)
             return sp
         if not obj.keys() <= _FIELDS:
             unknown = sorted(str(k) for k in set(obj) - _FIELDS)
@@ -245,4 +360,21 @@ def _already_valid(d: dict[str, Any]) -> bool:
         and type(ids) is list
         and len(ids) <= MAX_STOP_TOKEN_IDS
         and (not ids or all(type(i) is int and 0 <= i < INT_LIMIT for i in ids))
+        and _logits_fields_default(d)
+    )
+
+
+_LOGITS_DEFAULTS = (("min_tokens", 0), ("logit_bias", None), ("allowed_token_ids", None),
+                    ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                    ("repetition_penalty", 1.0), ("min_p", 0.0))  # fmt: skip
+
+
+def _logits_fields_default(d: dict[str, Any]) -> bool:
+    """The fast path holds only requests that leave the logits alone (the common case); any
+    other value is validated in full."""
+    words = d["bad_words"]
+    return (
+        type(words) is list
+        and not words
+        and all(type(d[k]) is type(v) and d[k] == v for k, v in _LOGITS_DEFAULTS)
     )

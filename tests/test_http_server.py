@@ -360,7 +360,7 @@ def test_sampling_params_mapping_and_refusals():
     chat = to_sp(ChatRequest(messages=[{"role": "user", "content": "x"}],
                              max_completion_tokens=7, logprobs=True, top_logprobs=3))  # fmt: skip
     assert chat[0].num_tokens_to_generate == 7 and chat[0].top_n_logprobs == 3
-    for bad, param in [({"top_p": 0}, "top_p"), ({"presence_penalty": 1}, "presence_penalty"),
+    for bad, param in [({"top_p": 0}, "top_p"), ({"presence_penalty": 3}, "presence_penalty"),
                        ({"n": 0}, "n"), ({"logprobs": 5000}, "logprobs")]:  # fmt: skip
         with pytest.raises(APIError) as e:
             to_sp(CompletionRequest(prompt="x", **bad))

@@ -59,7 +59,7 @@ def test_generate_returns_ids_log_probs_and_weight_versions(served):  # noqa: F8
 
 @pytest.mark.parametrize(
     "params, param",
-    [({"repetition_penalty": 1.1}, "repetition_penalty"), ({"best_of": 2}, "best_of"),
+    [({"repetition_penalty": 0}, "repetition_penalty"), ({"best_of": 2}, "best_of"),
      ({"temperature": -1}, "temperature"), ({"n": 0}, "n")],
 )  # fmt: skip
 def test_generate_refuses_what_it_cannot_honour(served, params, param):  # noqa: F811

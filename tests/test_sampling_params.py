@@ -30,7 +30,7 @@ INVALID = [
     ("temperature", math.inf),
     ("temperature", "1.0"),
     ("temperature", True),
-    ("top_k", -1),
+    ("top_k", -2),
     ("top_k", 1.5),
     ("top_k", True),
     ("top_k", 2**63),  # overflowed inside the engine step
@@ -58,6 +58,21 @@ INVALID = [
     ("return_log_probs", 1),
     ("return_prompt_log_probs", None),
     ("ignore_eos", "yes"),
+    ("min_tokens", -1),
+    ("min_tokens", 1.0),
+    ("logit_bias", {1: 101.0}),
+    ("logit_bias", {-1: 1.0}),
+    ("logit_bias", {"a": 1.0}),
+    ("logit_bias", [1]),
+    ("allowed_token_ids", []),
+    ("allowed_token_ids", [-3]),
+    ("bad_words", "x"),
+    ("bad_words", [" "]),
+    ("presence_penalty", 2.5),
+    ("frequency_penalty", -3.0),
+    ("repetition_penalty", 0.0),
+    ("min_p", 1.5),
+    ("min_p", math.nan),
 ]
 
 
@@ -168,13 +183,21 @@ sampling_params = st.builds(
     return_prompt_log_probs=st.booleans(),
     seed=st.none() | st.integers(0, 2**63 - 1),
     ignore_eos=st.booleans(),
+    min_tokens=st.integers(0, 100),
+    logit_bias=st.none() | st.dictionaries(st.integers(0, 2**31 - 1), st.floats(-100, 100)),
+    allowed_token_ids=st.none() | st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=3),
+    bad_words=st.lists(st.text(min_size=1, max_size=5).filter(str.strip), max_size=3),
+    presence_penalty=st.floats(-2, 2),
+    frequency_penalty=st.floats(-2, 2),
+    repetition_penalty=st.floats(0, 10, exclude_min=True),
+    min_p=st.floats(0, 1),
 )
 
 
 @given(sampling_params)
 def test_msgpack_round_trip_is_exact(sp):
-    wire = msgpack.packb(sp.serialize(), use_bin_type=True)
-    back = SamplingParams.deserialize(msgpack.unpackb(wire, raw=False))
+    wire = msgpack.packb(sp.serialize(), use_bin_type=True)  # the protocol's unpacking options:
+    back = SamplingParams.deserialize(msgpack.unpackb(wire, raw=False, strict_map_key=False))
     assert back == sp
     assert back.serialize() == sp.serialize()
     assert all(type(getattr(back, f)) is type(getattr(sp, f)) for f in sp.serialize())
@@ -202,6 +225,13 @@ def test_limits_raise_value_error_naming_the_field(kw, field):
     obj = SamplingParams().serialize() | kw  # the deserialize fast path rejects them too
     with pytest.raises(ValueError, match=field):
         SamplingParams.deserialize(obj)
+
+
+def test_vllm_spellings_of_off():
+    """vLLM's no-op values: top_k -1 is off (stored as 0), the rest are the defaults."""
+    sp = SamplingParams(top_k=-1, min_p=0, repetition_penalty=1, presence_penalty=0)
+    assert sp == SamplingParams() and type(sp.min_p) is float and not sp.processes_logits
+    assert SamplingParams(logit_bias={"7": -100}).logit_bias == {7: -100.0}
 
 
 def test_check_catches_fields_changed_after_construction():

@@ -45,6 +45,7 @@ from rollout.engine.intake import (
 )
 from rollout.engine.interface import StepOutput
 from rollout.engine.kv_pool import KVPool
+from rollout.engine.logits_processors import RequestLogits
 from rollout.engine.model_runner import ModelRunner, prepare_batch
 from rollout.engine.overlap import InFlight, can_follow, decode_batch
 from rollout.engine.routing import RoutingRecorder, check_routing
@@ -199,6 +200,8 @@ class DynamicInferenceEngine:
             check_request(req, self.config, self.vocab_size, self.kv.num_blocks)
             check_routing(req, self.routing)
             check_stop_words(self.tokenizer, req.sampling_params)
+            processors = RequestLogits.for_request(req.sampling_params, self.tokenizer,
+                                                   self.vocab_size, self._eos)  # fmt: skip
         except RequestError as e:
             self._fail(record, e)
             return record
@@ -217,6 +220,8 @@ class DynamicInferenceEngine:
         seq = Sequence(record, seed, record.requests[0].prompt_length, self.config.block_size,
                        self._eos, given, self._decode)  # fmt: skip
         seq.streamed = seq.num_generated
+        if processors is not None:  # counts rebuilt from the tokens of a resumed request
+            seq.processors = processors.attach(seq.tokens, seq.first_prompt_len)
         seq.log_probs = [x for r in record.requests for x in r.generated_log_probs]
         self._seqs[rid] = seq
         self.scheduler.add(seq)
@@ -325,7 +330,8 @@ class DynamicInferenceEngine:
             self._isolated(item[0], "prompt log-probs", self._prompt_log_probs, item, logits)
         if prep.samplers:
             logits = self.runner.sampling_logits(prep, logits)
-            if self.config.async_scheduling and prep.decode_only and self.routing is None:
+            if (self.config.async_scheduling and prep.decode_only and self.routing is None
+                    and not any(s.needs_history for s in prep.samplers)):  # fmt: skip
                 try:
                     self._inflight = InFlight(prep.samplers, self._sample_on_device(
                         prep.samplers, logits, [len(s.tokens) for s in prep.samplers]))  # fmt: skip
@@ -339,7 +345,8 @@ class DynamicInferenceEngine:
         self, seqs: list[Sequence], logits: torch.Tensor, positions: list[int]
     ) -> sampler.DeviceSample:
         params = [s.request.sampling_params for s in seqs]
-        return sampler.sample_on_device(logits, params, [s.seed for s in seqs], positions)
+        return sampler.sample_on_device(logits, params, [s.seed for s in seqs], positions,
+                                        [s.processors for s in seqs])  # fmt: skip
 
     def _follow(self, out: StepOutput) -> bool:
         """Launch the decode of the in-flight sequences on their device-side samples, then
@@ -476,7 +483,8 @@ class DynamicInferenceEngine:
         append each token and check its stop conditions, request by request."""
         params = [s.request.sampling_params for s in seqs]
         seeds, positions = [s.seed for s in seqs], [len(s.tokens) for s in seqs]
-        result, faults = sampler.sample_isolated(logits, params, seeds, positions)
+        result, faults = sampler.sample_isolated(logits, params, seeds, positions,
+                                                 [s.processors for s in seqs])  # fmt: skip
         now = time.time()
         for i, seq in enumerate(seqs):
             if i in faults:
@@ -491,6 +499,8 @@ class DynamicInferenceEngine:
         token = result.tokens[i]
         lp = result.log_probs[i] if sp.return_log_probs else None
         top = result.top_n[i] if sp.top_n_logprobs else None
+        if top and seq.processors is not None:  # masked tokens (-inf) are not among the top
+            top = {k: v for k, v in top.items() if v != float("-inf")}
         seq.request.append_token(token, lp, top, self.weight_version, now)
         if self.routing is not None and (experts := self.routing.take(seq)) is not None:
             seq.request.routed_experts.append(experts)
@@ -502,8 +512,8 @@ class DynamicInferenceEngine:
         interval = self.config.streaming_interval
         if reason is not None:
             self._complete(seq, reason)
-        elif interval and seq.num_generated - seq.streamed >= interval:
-            out.partials.append(seq.take_partial())
+        elif interval and (seq.num_generated - seq.streamed >= interval or seq.streamed == 0):
+            out.partials.append(seq.take_partial())  # the first token at once (a stream's TTFT)
 
     def _complete(self, seq: Sequence, reason: str) -> None:
         """Finish `seq` with `reason` (its record comes out of this step); a fault while

@@ -8,7 +8,8 @@ arithmetic, identical on CPU and CUDA.
 
 Log-probs follow each request's `logprobs_mode`: log_softmax(logits / t) with t its
 `logprobs_temperature`, 1 for raw (the model's distribution) and the sampling temperature for
-processed (what was sampled from, before top-k/top-p). Either way it is the quantity a trainer
+processed (what was sampled from, after the request's logits processors and before min-p,
+top-k and top-p: rollout.engine.logits_processors). Either way it is the quantity a trainer
 recomputes from its own logits for the behaviour policy.
 
 `sample_isolated` keeps one bad row from costing the batch: when the batched call raises, each
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rollout.engine import logits_processors
+from rollout.engine.logits_processors import RequestLogits
 from rollout.models import batch_invariant as bi
 from rollout.sampling import SamplingParams
 
@@ -84,9 +87,11 @@ def sample_on_device(
     params: Sequence[SamplingParams],
     seeds: Sequence[int],
     positions: Sequence[int],
+    states: Sequence[RequestLogits | None] | None = None,
 ) -> DeviceSample:
-    """logits [B, V] -> one token per row, on the device; nothing waits for the device."""
-    logits = logits.float()
+    """logits [B, V] -> one token per row, on the device; nothing waits for the device.
+    states: each row's logits processors (None: none)."""
+    logits, lp_logits = logits_processors.apply(logits.float(), params, states)
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if not rows:
         tokens = _argmax(logits)
@@ -106,7 +111,7 @@ def sample_on_device(
     max_n = max(top_ns)
     lp = top = None
     if want_lp or max_n:
-        logp = _log_softmax(logits, [p.logprobs_temperature for p in params])
+        logp = _log_softmax(lp_logits, [p.logprobs_temperature for p in params])
         if want_lp:
             lp = logp.gather(1, tokens[:, None]).squeeze(1)
         if max_n:
@@ -138,9 +143,10 @@ def sample(
     params: Sequence[SamplingParams],
     seeds: Sequence[int],
     positions: Sequence[int],
+    states: Sequence[RequestLogits | None] | None = None,
 ) -> SampleOutput:
     """logits [B, V] -> one token per row. positions: absolute index of the token being sampled."""
-    return to_host(sample_on_device(logits, params, seeds, positions))
+    return to_host(sample_on_device(logits, params, seeds, positions, states))
 
 
 def _log_softmax(logits: torch.Tensor, temps: Sequence[float]) -> torch.Tensor:
@@ -167,11 +173,12 @@ def sample_isolated(
     params: Sequence[SamplingParams],
     seeds: Sequence[int],
     positions: Sequence[int],
+    states: Sequence[RequestLogits | None] | None = None,
 ) -> tuple[SampleOutput, dict[int, Exception]]:
     """`sample()`, and when the batch raises, every row alone: returns the output and the
     exception of each row that failed on its own (its token is -1, its log-prob None)."""
     try:
-        return sample(logits, params, seeds, positions), {}
+        return sample(logits, params, seeds, positions, states), {}
     except Exception:
         pass
     tokens: list[int] = []
@@ -180,9 +187,8 @@ def sample_isolated(
     faults: dict[int, Exception] = {}
     for i in range(len(params)):
         try:
-            row = sample(
-                logits[i : i + 1], params[i : i + 1], seeds[i : i + 1], positions[i : i + 1]
-            )
+            row = sample(logits[i : i + 1], params[i : i + 1], seeds[i : i + 1],
+                         positions[i : i + 1], states[i : i + 1] if states else None)  # fmt: skip
         except Exception as e:
             faults[i], row = e, SampleOutput([-1], None, None)
         tokens.append(row.tokens[0])
@@ -206,6 +212,7 @@ def _sample_rows(
     x = logits
     if any(t != 1.0 for t in temps):
         x = logits / to_device(temps, logits.dtype, device)[:, None]
+    x = logits_processors.min_p(x, params)
     order = None
     ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]  # past the vocab: off
     if any(k < vocab or p.top_p < 1.0 for k, p in zip(ks, params, strict=True)):

@@ -17,8 +17,10 @@ import torch
 
 from rollout import hashing
 from rollout.detokenizer import IncrementalDetokenizer, find_stop
+from rollout.engine.logits_processors import RequestLogits
 from rollout.hashing import HASH_MODULUS
 from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord
+from rollout.sampling import SamplingParams
 
 
 class Sequence:
@@ -59,6 +61,7 @@ class Sequence:
         self.log_probs: list[float] = []  # of every generated token, all segments (streaming)
         self.prompt_lp: list[float] = []  # prompt log-probs accumulated over prefill chunks
         self.prompt_top_n: list[dict[int, float]] = []  # and their top-n, when asked for
+        self.processors: RequestLogits | None = None  # its logits processors, if any
 
     @property
     def request(self) -> DynamicInferenceRequest:
@@ -71,6 +74,11 @@ class Sequence:
     @property
     def num_generated(self) -> int:
         return len(self.tokens) - self.first_prompt_len
+
+    @property
+    def needs_history(self) -> bool:
+        """Its next sample reads the token sampled just before (penalties, min_tokens)."""
+        return self.processors is not None and self.processors.needs_history
 
     @property
     def num_uncomputed(self) -> int:
@@ -139,6 +147,16 @@ class Sequence:
         """Why generation ends after `token` was appended (None: keep going)."""
         req = self.request
         sp = req.sampling_params
+        if self.num_generated < sp.min_tokens:  # as vLLM: only the length stops it before
+            if self.text is not None:
+                self.text.add(token)
+        elif (reason := self._stop_condition(token, sp)) is not None:
+            return reason
+        if len(req.generated_tokens) >= sp.num_tokens_to_generate:
+            return "length"
+        return None
+
+    def _stop_condition(self, token: int, sp: SamplingParams) -> str | None:
         if token in sp.stop_token_ids:
             return "stop_token"
         if not sp.ignore_eos and token in self.eos_ids:
@@ -149,8 +167,6 @@ class Sequence:
                 start, word = hit
                 self.text_end = start + len(word) if sp.include_stop_str_in_output else start
                 return "stop_word"
-        if len(req.generated_tokens) >= sp.num_tokens_to_generate:
-            return "length"
         return None
 
 

@@ -63,6 +63,7 @@ from torch import nn
 from rollout.engine.config import InferenceConfig
 from rollout.engine.engine import DynamicInferenceEngine
 from rollout.engine.interface import EngineLost, EngineProtocol
+from rollout.engine.logits_processors import processors_of
 from rollout.metrics import staleness_summary
 from rollout.protocol import SUSPEND_MODES
 from rollout.request import DynamicInferenceRequest
@@ -130,10 +131,16 @@ class RolloutManagerConfig:
     # MoE: record every token's experts for the trainer to replay (SamplingParams
     # .return_routed_experts on every request; docs/internals.md, "Routing replay")
     routing_replay: bool = False
+    # Logits processors (penalties, logit_bias, allowed_token_ids, bad_words, min_tokens)
+    # change the distribution tokens are drawn from; a trainer's log_softmax(logits / T) does
+    # not. Refused unless True: the trainer then recomputes the processed logits itself
+    # (rollout.engine.logits_processors.process) or accepts the mismatch.
+    allow_logits_processors: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.routing_replay, bool):
-            raise ValueError(f"routing_replay must be a bool, got {self.routing_replay!r}")
+        for name in ("routing_replay", "allow_logits_processors"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(
                 f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
@@ -504,6 +511,13 @@ class RolloutManager:
             raise ValueError(
                 f"sampling_params.logprobs_mode={sp.logprobs_mode!r} differs from the manager's "
                 f"logprobs_mode={mode!r}; leave it None or configure the manager"
+            )
+        if sp.processes_logits and not self.config.allow_logits_processors:
+            raise ValueError(
+                f"sampling_params.{processors_of(sp)[0]} reshapes the logits the tokens are "
+                "sampled from, which the trainer's log-prob recompute (log_softmax(logits / T)) "
+                "does not reproduce; set RolloutManagerConfig.allow_logits_processors=True and "
+                "recompute with rollout.engine.logits_processors.process, or leave it unset"
             )
         if self.config.routing_replay and not sp.return_routed_experts:
             sp = sp.replace(return_routed_experts=True)

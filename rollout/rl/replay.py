@@ -27,6 +27,7 @@ from torch import nn
 
 from rollout.engine.config import InferenceConfig
 from rollout.engine.engine import DynamicInferenceEngine
+from rollout.engine.logits_processors import processors_of
 from rollout.rl.samples import Sample
 from rollout.sampling import SamplingParams
 
@@ -86,6 +87,11 @@ def check_replayable(sample: Sample) -> None:
     if sample.sampling_params is None:
         raise ValueError(f"sample {sample.request_id} carries no sampling_params to replay with")
     sp = sample.sampling_params
+    if sp.processes_logits:  # a replayed segment restarts from a prompt: its counts would differ
+        raise ValueError(
+            f"sample {sample.request_id} was sampled with logits processors "
+            f"({', '.join(processors_of(sp))}): replay does not cover them"
+        )
     if sp.seed is None and not sp.is_greedy:
         raise ValueError(f"sample {sample.request_id} was sampled without a seed")
     n = len(sample.completion_tokens)

@@ -158,11 +158,14 @@ def build_app(
 
     app = FastAPI(title="rollout", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.backend = be
+    gen_router = generate_router(_check_wait, _submit, _wait_or_abort)
     app.include_router(token_router)
-    app.include_router(generate_router(_check_wait, _submit, _wait_or_abort))
-    for router in (vllm_router(), sglang_router(_check_wait, _submit, _wait_or_abort),
-                   areal_router()):  # fmt: skip
+    app.include_router(gen_router)
+    extra_routers = (vllm_router(), sglang_router(_check_wait, _submit, _wait_or_abort),
+                     areal_router())  # fmt: skip
+    for router in extra_routers:
         app.include_router(router)
+    labelled: list = []  # every route with its template, the included routers' too (below)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> Response:
@@ -192,7 +195,7 @@ def build_app(
     @app.middleware("http")
     async def _auth_and_metrics(request: Request, call_next: Callable) -> Response:
         path = request.url.path
-        route = route_label(app.router.routes, request.scope)
+        route = route_label(labelled, request.scope)
         guarded = path != "/health"  # /v1, /metrics, and vLLM's root routes (token_routes)
         if guarded and be.http_token is not None:
             scheme, _, given = request.headers.get("authorization", "").partition(" ")
@@ -209,10 +212,18 @@ def build_app(
     async def health() -> dict:
         return {"status": "ok"}
 
+    card = {"id": be.model_name, "object": "model", "created": be.created, "owned_by": "rollout"}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": be.model_name, "object": "model",
-                                            "created": be.created, "owned_by": "rollout"}]}  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        if model_id != be.model_name:
+            raise APIError(404, f"model {model_id!r} does not exist (this server serves "
+                                f"{be.model_name!r})", param="model", code="model_not_found")  # fmt: skip
+        return card
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -232,6 +243,12 @@ def build_app(
         prompt = await be.off_loop(_chat_prompt, be, req)
         return await _generate(be, req, request, [prompt], chat=True)
 
+    # FastAPI >= 0.165 keeps an included router as one route without a template: label by the
+    # routers' own routes (included without a prefix, so their templates are the app's)
+    for r in (*app.router.routes, *token_router.routes, *gen_router.routes,
+              *(route for router in extra_routers for route in router.routes)):  # fmt: skip
+        if getattr(r, "path", None):
+            labelled.append(r)
     return app
 
 
@@ -510,12 +527,18 @@ async def _stream(be: Backend, req: Any, prompts: list[list[int]], sps: list[Sam
     tool_streams = [ToolStream(parser) for _ in jobs] if parser else None
     replies = [StreamedText(tool_choice.reply_decoder(be), hold) for _ in jobs] if parser else []
     calls: list[dict] = []
+    continuous = req.continuous_usage()
+
+    def usage_of(i: int) -> dict:  # continuous_usage_stats: the choice's counts so far (vLLM's)
+        return _usage([jobs[i][0]], 1, [sent_tokens[i]])
+
     try:
         if chat:
             for i in range(len(jobs)):
                 yield _sse({"id": rid, "object": obj, "created": created, "model": be.model_name,
                             "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None}]})  # fmt: skip
+                                         "logprobs": None, "finish_reason": None}],
+                            **({"usage": usage_of(i)} if continuous else {})})  # fmt: skip
         while live:
             i, item = await queue.get()
             if item is None:
@@ -579,7 +602,7 @@ async def _stream(be: Backend, req: Any, prompts: list[list[int]], sps: list[Sam
             if reason is not None:
                 choice["prompt_token_ids"] = jobs[i][0]
             yield _sse({"id": rid, "object": obj, "created": created, "model": be.model_name,
-                        "choices": [choice]})  # fmt: skip
+                        "choices": [choice], **({"usage": usage_of(i)} if continuous else {})})  # fmt: skip
         if req.include_usage():
             usage = _usage(prompts, len(sps), sent_tokens)
             yield _sse({"id": rid, "object": obj, "created": created, "model": be.model_name,

@@ -7,11 +7,13 @@ between each token's and the weights serving when the answer left the engine) ou
 Body: `{"model", "token_ids", "sampling_params": {...}}` with vLLM's SamplingParams names.
 Parameters this server honours: max_tokens, temperature, top_p, top_k (-1: off), seed, n, stop,
 stop_token_ids, include_stop_str_in_output, ignore_eos, logprobs (the top-n; the sampled
-token's log-prob is always there); the text-only ones (skip_special_tokens,
-spaces_between_special_tokens, detokenize) change nothing without text. Any other parameter,
-unless null or at vLLM's default, is refused with a 400 naming it. `cache_salt` (SkyRL and
-prime-rl salt with the policy version) is accepted: KV computed under other weights is never
-reused here anyway. An `X-Session-ID` header routes a session's requests to one engine.
+token's log-prob is always there), and the logits parameters min_p, min_tokens, logit_bias,
+allowed_token_ids, bad_words, presence/frequency/repetition penalties (as on /v1); the
+text-only ones (skip_special_tokens, spaces_between_special_tokens, detokenize) change nothing
+without text. Any other parameter, unless null or at vLLM's default, is refused with a 400
+naming it. `cache_salt` (SkyRL and prime-rl salt with the policy version) is accepted: KV
+computed under other weights is never reused here anyway. An `X-Session-ID` header routes a
+session's requests to one engine.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rollout.sampling import VLLM_LOGPROBS_MODES, SamplingParams
 from rollout.serving.http.limits import caller_of
 from rollout.serving.http.schemas import (
+    LOGITS_FIELDS,
     APIError,
     bad_request,
     check_cache_salt,
@@ -36,9 +39,7 @@ from rollout.serving.http.schemas import (
 
 TEXT_ONLY = frozenset({"skip_special_tokens", "spaces_between_special_tokens", "detokenize"})
 # vLLM parameters this server does not implement, accepted only at vLLM's default value
-DEFAULTS = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-            "repetition_penalty": 1.0, "min_tokens": 0, "prompt_logprobs": None,
-            "logit_bias": None, "allowed_token_ids": None, "bad_words": None}  # fmt: skip
+DEFAULTS = {"prompt_logprobs": None}
 
 
 class VLLMSamplingParams(BaseModel):
@@ -103,9 +104,9 @@ def to_sampling_params(
           "stop_token_ids": p.pop("stop_token_ids", None) or [],
           "return_log_probs": True, "top_n_logprobs": top_n or 0,
           "logprobs_mode": VLLM_LOGPROBS_MODES[logprobs_mode]}  # fmt: skip
-    if (top_k := p.pop("top_k", None)) is not None:
-        kw["top_k"] = 0 if top_k == -1 else top_k
-    for name in ("temperature", "top_p", "seed", "include_stop_str_in_output", "ignore_eos"):
+    names = ("temperature", "top_p", "seed", "include_stop_str_in_output", "ignore_eos",
+             *LOGITS_FIELDS)  # fmt: skip
+    for name in names:
         if (value := p.pop(name, None)) is not None:
             kw[name] = value
     if unknown := [k for k, v in p.items() if v is not None]:
@@ -120,6 +121,8 @@ def to_sampling_params(
     except ValueError as e:
         field = str(e).split(" ", 1)[0]
         raise bad_request(f"sampling_params: {e}", field) from None
+    if base.min_tokens > base.num_tokens_to_generate:
+        raise bad_request("sampling_params.min_tokens must be <= max_tokens", "min_tokens")
     return sps, top_n
 
 

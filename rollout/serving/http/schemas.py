@@ -3,12 +3,14 @@ SamplingParams.
 
 Field names are OpenAI's (and vLLM's extensions), known ones validated strictly (`true` is not
 a token id, `"2"` not a count). Every parameter is honoured or refused (400 naming it), since a
-caller relying on one would otherwise get different samples: penalties, logit_bias, best_of,
-suffix, response_format other than text, and any field this server does not know (unless null,
-or one of NO_EFFECT, which change nothing a server returns). Extension fields:
-`top_k`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, `logprobs_mode` (vLLM's
-values raw_logprobs | processed_logprobs; default: the server's --logprobs-mode), and `wait`
-(false: answer 503 instead of waiting while engines are paused or suspended).
+caller relying on one would otherwise get different samples: best_of, suffix, response_format
+other than text, and any field this server does not know (unless null, or one of NO_EFFECT,
+which change nothing a server returns). Extension fields (vLLM's): `top_k` (-1: off),
+`min_p`, `min_tokens`, `repetition_penalty`, `allowed_token_ids`, `bad_words`, `ignore_eos`,
+`stop_token_ids`, `include_stop_str_in_output`, `spaces_between_special_tokens` (true only),
+`logprobs_mode` (vLLM's values raw_logprobs | processed_logprobs; default: the server's
+--logprobs-mode), and `wait` (false: answer 503 instead of waiting while engines are paused or
+suspended).
 """
 
 from __future__ import annotations
@@ -72,7 +74,12 @@ def check_cache_salt(salt: Any) -> None:
                           "cache_salt")  # fmt: skip
 
 
-STREAM_OPTIONS = frozenset({"include_usage"})
+STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
+# vLLM's text options, at the only value this server has: special tokens are never in the text
+TEXT_DEFAULTS = {"spaces_between_special_tokens": True}
+# SamplingParams fields set from the request field of the same name when it is not null
+LOGITS_FIELDS = ("top_k", "min_p", "min_tokens", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words")  # fmt: skip
 
 
 class _Common(BaseModel):
@@ -95,6 +102,12 @@ class _Common(BaseModel):
     user: str | None = None
     # extensions
     top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    repetition_penalty: float | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    spaces_between_special_tokens: bool | None = None  # (skip_special_tokens: an extra, above)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     logprobs_mode: str | None = None
@@ -103,6 +116,10 @@ class _Common(BaseModel):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+    def continuous_usage(self) -> bool:
+        """vLLM's stream_options.continuous_usage_stats: usage on every chunk."""
+        return bool(self.stream_options and self.stream_options.get("continuous_usage_stats"))
 
 
 class CompletionRequest(_Common):
@@ -152,6 +169,12 @@ def _refuse_unknown(req: _Common) -> None:
     if unknown := sorted(set(req.stream_options or {}) - STREAM_OPTIONS):
         raise bad_request(f"stream_options.{unknown[0]} is not supported by this server",
                           "stream_options")  # fmt: skip
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+    for name, only in TEXT_DEFAULTS.items():
+        if getattr(req, name) not in (None, only):
+            raise bad_request(f"{name}: {str(not only).lower()} is not supported by this server "
+                              "(special tokens are never in the text)", name)  # fmt: skip
     fmt = getattr(req, "response_format", None)
     if fmt is not None and fmt.get("type") != "text":
         raise bad_request(f"response_format {fmt.get('type')!r} is not supported by this server "
@@ -171,11 +194,6 @@ def _special_tokens_ok(req: _Common, skip: Any) -> bool:
 
 def _refuse_unsupported(req: _Common) -> None:
     _refuse_unknown(req)
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0, 0.0):
-            raise bad_request(f"{name} is not supported by this server", name)
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported by this server", "logit_bias")
     if isinstance(req, CompletionRequest):
         if req.best_of not in (None, 1, req.n):
             raise bad_request("best_of is not supported by this server", "best_of")
@@ -204,7 +222,7 @@ def sampling_params(
             "logprobs_mode",
         )
     if isinstance(req, ChatRequest):
-        max_tokens = req.max_completion_tokens or req.max_tokens or DEFAULT_CHAT_MAX_TOKENS
+        max_tokens = _chat_max_tokens(req)
         top_n = (req.top_logprobs or 0) if req.logprobs else 0
     else:
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
@@ -225,9 +243,12 @@ def sampling_params(
         "return_prompt_log_probs": isinstance(req, CompletionRequest)
         and req.wants_prompt_logprobs(),
     }
-    for name in ("temperature", "top_p", "top_k"):
+    for name in ("temperature", "top_p", *LOGITS_FIELDS):
         if getattr(req, name) is not None:
             kw[name] = getattr(req, name)
+    if kw.get("min_tokens", 0) > max_tokens:
+        raise bad_request(f"min_tokens ({kw['min_tokens']}) must be <= max_tokens ({max_tokens})",
+                          "min_tokens")  # fmt: skip
     try:
         base = SamplingParams(**kw)
         if req.seed is None:
@@ -240,6 +261,17 @@ def sampling_params(
         if isinstance(req, ChatRequest) and param == "logprobs":
             param = "top_logprobs"
         raise bad_request(message.replace(field, param, 1), param) from None
+
+
+def _chat_max_tokens(req: ChatRequest) -> int:
+    """max_completion_tokens, else max_tokens, else the default; 0 is a 400 (as OpenAI's)."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = getattr(req, name)
+        if value is not None:
+            if value < 1:
+                raise bad_request(f"{name} must be >= 1, got {value}", name)
+            return value
+    return DEFAULT_CHAT_MAX_TOKENS
 
 
 def finish_reason(stop_reason: str | None) -> str | None:
