@@ -33,7 +33,11 @@ def _post(server, route: str, body: dict) -> httpx.Response:
         ("chat/completions", {"min_p": -0.1}, "min_p"),
         ("chat/completions", {"functions": [{"name": "f"}]}, "functions"),
         ("completions", {"repetition_penalty": -1.2}, "repetition_penalty"),
-        ("completions", {"stream": True, "stream_options": {"include_tokens": True}}, "stream_options"),
+        (
+            "completions",
+            {"stream": True, "stream_options": {"include_tokens": True}},
+            "stream_options",
+        ),
     ],
 )
 def test_refused_with_the_parameter_named(served, route, extra, param):  # noqa: F811
