@@ -44,7 +44,9 @@ class ScriptedClient:
         )  # fmt: skip
         return DynamicInferenceRequestRecord.from_request(req)
 
-    def add_request(self, prompt: list[int], sp: SamplingParams) -> asyncio.Future:
+    def add_request(
+        self, prompt: list[int], sp: SamplingParams, routing_key: str | None = None
+    ) -> asyncio.Future:
         fut = asyncio.get_running_loop().create_future()
         fut.set_result(self.record(prompt, sp))
         return fut
