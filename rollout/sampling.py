@@ -9,6 +9,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout.structured_outputs import check_spec
+
 _SEED_LIMIT = 2**63
 _FLOAT_MAX = sys.float_info.max
 INT_LIMIT = 2**31  # top_k, lengths and token ids stay int32: far beyond any vocabulary or context
@@ -153,6 +155,9 @@ class SamplingParams:
     repetition (prompt and generated tokens), frequency and presence (generated tokens)
     penalties, and min_p (after temperature: drop tokens below min_p x the top probability).
     top_k=-1 is vLLM's spelling of "off" and is stored as 0.
+    structured_outputs: the grammar the output must follow (rollout.structured_outputs: one of
+    json, json_object, regex, choice, grammar, structural_tag), or None; needs the
+    `structured` extra (xgrammar) on the engine.
     """
 
     temperature: float = 1.0
@@ -177,6 +182,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
+    structured_outputs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if type(self.top_k) is int and self.top_k == -1:  # vLLM's "off"
@@ -269,6 +275,7 @@ class SamplingParams:
             or self.frequency_penalty
             or self.repetition_penalty != 1.0
         )
+        self.structured_outputs = check_spec(self.structured_outputs)
 
     @property
     def is_greedy(self) -> bool:
@@ -302,6 +309,8 @@ class SamplingParams:
             out["logit_bias"] = dict(self.logit_bias)
         if self.allowed_token_ids is not None:
             out["allowed_token_ids"] = list(self.allowed_token_ids)
+        if self.structured_outputs is not None:
+            out["structured_outputs"] = dict(self.structured_outputs)
         return out
 
     @classmethod
@@ -354,6 +363,7 @@ def _already_valid(d: dict[str, Any]) -> bool:
         and (d["logprobs_mode"] is None or type(d["logprobs_mode"]) is str)
         and d["logprobs_mode"] in _MODES_OR_NONE
         and type(d["include_stop_str_in_output"]) is bool
+        and d["structured_outputs"] is None  # a spec takes the general (checking) path
         and type(words) is list
         and len(words) <= MAX_STOP_WORDS
         and (not words or all(type(w) is str and 0 < len(w) <= MAX_STOP_WORD_CHARS for w in words))

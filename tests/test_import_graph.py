@@ -21,7 +21,8 @@ FIRST_PARTY = ("rollout", "trainer_hooks", "recipes")
 
 # Lowest first. A module may import modules of its own layer or a lower one.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("rollout.codecs", "rollout.events", "rollout.sampling", "rollout.request",
+    ("rollout.codecs", "rollout.events", "rollout.sampling", "rollout.structured_outputs",
+     "rollout.request",
      "rollout.protocol", "rollout.hashing", "rollout.tokenizers", "rollout.detokenizer",
      "rollout.metrics"),
     ("rollout.models",),

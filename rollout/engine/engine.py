@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rollout.engine import sampler
+from rollout.engine import grammar, sampler
 from rollout.engine.block_manager import NO_PARENT, BlockManager
 from rollout.engine.config import InferenceConfig
 from rollout.engine.cuda_graphs import DecodeGraphs
@@ -147,6 +147,7 @@ class DynamicInferenceEngine:
         self._seed_rng = int.from_bytes(os.urandom(8), "little")
         self._eos = eos_ids_of(tokenizer, self.model_config)
         self._decode = functools.partial(detokenize_with, tokenizer) if tokenizer else None
+        self.grammars = grammar.Grammars(tokenizer, self.vocab_size, self._eos)
         self.counters = {"steps": 0, "tokens_generated": 0, "requests_finished": 0,
                          "requests_failed": 0, "request_faults": 0, "step_failures": 0,
                          "weight_updates": 0, "forward_time_s": 0.0,
@@ -223,6 +224,13 @@ class DynamicInferenceEngine:
         if processors is not None:  # counts rebuilt from the tokens of a resumed request
             seq.processors = processors.attach(seq.tokens, seq.first_prompt_len)
         seq.log_probs = [x for r in record.requests for x in r.generated_log_probs]
+        if sp.structured_outputs is not None:  # resumed: re-advanced over what it generated
+            try:
+                seq.grammar = self.grammars.state(sp.structured_outputs,
+                                                  seq.tokens[seq.first_prompt_len :])  # fmt: skip
+            except ValueError as e:
+                self._fail(record, RequestError(str(e)))
+                return record
         self._seqs[rid] = seq
         self.scheduler.add(seq)
         return record
@@ -330,8 +338,14 @@ class DynamicInferenceEngine:
             self._isolated(item[0], "prompt log-probs", self._prompt_log_probs, item, logits)
         if prep.samplers:
             logits = self.runner.sampling_logits(prep, logits)
-            if (self.config.async_scheduling and prep.decode_only and self.routing is None
-                    and not any(s.needs_history for s in prep.samplers)):  # fmt: skip
+            constrained = any(s.grammar is not None for s in prep.samplers)
+            if (
+                self.config.async_scheduling
+                and prep.decode_only
+                and self.routing is None
+                and not any(s.needs_history for s in prep.samplers)
+                and not constrained
+            ):  # fmt: skip (a grammar's next mask needs the token)
                 try:
                     self._inflight = InFlight(prep.samplers, self._sample_on_device(
                         prep.samplers, logits, [len(s.tokens) for s in prep.samplers]))  # fmt: skip
@@ -483,8 +497,10 @@ class DynamicInferenceEngine:
         append each token and check its stop conditions, request by request."""
         params = [s.request.sampling_params for s in seqs]
         seeds, positions = [s.seed for s in seqs], [len(s.tokens) for s in seqs]
+        mask = grammar.token_mask([s.grammar for s in seqs], logits.shape[-1],
+                                  lambda i, e: self._fail_seq(seqs[i], "grammar mask", e))  # fmt: skip
         result, faults = sampler.sample_isolated(logits, params, seeds, positions,
-                                                 [s.processors for s in seqs])  # fmt: skip
+                                                 [s.processors for s in seqs], mask)  # fmt: skip
         now = time.time()
         for i, seq in enumerate(seqs):
             if i in faults:
@@ -497,6 +513,8 @@ class DynamicInferenceEngine:
     ) -> None:
         sp = seq.request.sampling_params
         token = result.tokens[i]
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
         lp = result.log_probs[i] if sp.return_log_probs else None
         top = result.top_n[i] if sp.top_n_logprobs else None
         if top and seq.processors is not None:  # masked tokens (-inf) are not among the top
@@ -509,6 +527,8 @@ class DynamicInferenceEngine:
             seq.log_probs.append(lp)
         self.counters["tokens_generated"] += 1
         reason = seq.stop_reason(token)
+        if reason is None and seq.grammar is not None and seq.grammar.finished:
+            reason = "eos"  # the grammar took its stop token (ignore_eos): nothing may follow
         interval = self.config.streaming_interval
         if reason is not None:
             self._complete(seq, reason)

@@ -10,7 +10,10 @@ Log-probs follow each request's `logprobs_mode`: log_softmax(logits / t) with t 
 `logprobs_temperature`, 1 for raw (the model's distribution) and the sampling temperature for
 processed (what was sampled from, after the request's logits processors and before min-p,
 top-k and top-p: rollout.engine.logits_processors). Either way it is the quantity a trainer
-recomputes from its own logits for the behaviour policy.
+recomputes from its own logits for the behaviour policy. A structured-output row's grammar
+mask (rollout.engine.grammar.TokenMask) then sets its disallowed logits to -inf before
+sampling; processed log-probs are of that masked distribution (what was sampled from), raw
+ones of the model's unmasked logits.
 
 `sample_isolated` keeps one bad row from costing the batch: when the batched call raises, each
 row is sampled alone (same tokens: a row's draw depends only on its own logits, params, seed and
@@ -19,8 +22,10 @@ position) and only the rows that still raise are reported as faults.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +33,9 @@ from rollout.engine import logits_processors
 from rollout.engine.logits_processors import RequestLogits
 from rollout.models import batch_invariant as bi
 from rollout.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from rollout.engine.grammar import TokenMask
 
 _MASK64 = (1 << 64) - 1
 
@@ -88,10 +96,15 @@ def sample_on_device(
     seeds: Sequence[int],
     positions: Sequence[int],
     states: Sequence[RequestLogits | None] | None = None,
+    mask: TokenMask | None = None,
 ) -> DeviceSample:
     """logits [B, V] -> one token per row, on the device; nothing waits for the device.
-    states: each row's logits processors (None: none)."""
+    states: each row's logits processors (None: none); mask: the grammar rows' allowed tokens
+    (structured outputs)."""
     logits, lp_logits = logits_processors.apply(logits.float(), params, states)
+    if mask is not None:
+        logits = mask.apply(logits)
+        lp_logits = _logprob_source(mask.apply(lp_logits), lp_logits, params, mask)
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if not rows:
         tokens = _argmax(logits)
@@ -122,6 +135,23 @@ def sample_on_device(
     return out
 
 
+def _logprob_source(
+    masked: torch.Tensor, model: torch.Tensor, params: Sequence[SamplingParams],
+    mask: TokenMask | None,
+) -> torch.Tensor:  # fmt: skip
+    """The logits each row's log-probs come from: processed rows the masked ones (what was
+    sampled from), raw rows the model's own."""
+    if mask is None:
+        return model
+    processed = [params[i].logprobs_mode == "processed" for i in range(len(params))]
+    if all(processed):
+        return masked
+    if not any(processed[i] for i in mask.rows):
+        return model
+    pick = torch.tensor(processed, device=model.device)[:, None]
+    return torch.where(pick, masked, model)
+
+
 def to_host(sample: DeviceSample) -> SampleOutput:
     """The step's one device-to-host synchronization: wait for the copy, unpack it."""
     if sample._event is not None:
@@ -133,8 +163,10 @@ def to_host(sample: DeviceSample) -> SampleOutput:
     top_n = None
     if sample.top is not None:
         vals, ids = host[1].tolist(), host[2].tolist()
-        top_n = [dict(zip(ids[i][:n], vals[i][:n], strict=False))
-                 for i, n in enumerate(sample.top_ns)]  # fmt: skip
+        top_n = [
+            {t: v for t, v in zip(ids[i][:n], vals[i][:n], strict=False) if v > -math.inf}
+            for i, n in enumerate(sample.top_ns)
+        ]  # fmt: skip (masked tokens: not listed)
     return SampleOutput(tokens, log_probs, top_n)
 
 
@@ -144,9 +176,10 @@ def sample(
     seeds: Sequence[int],
     positions: Sequence[int],
     states: Sequence[RequestLogits | None] | None = None,
+    mask: TokenMask | None = None,
 ) -> SampleOutput:
     """logits [B, V] -> one token per row. positions: absolute index of the token being sampled."""
-    return to_host(sample_on_device(logits, params, seeds, positions, states))
+    return to_host(sample_on_device(logits, params, seeds, positions, states, mask))
 
 
 def _log_softmax(logits: torch.Tensor, temps: Sequence[float]) -> torch.Tensor:
@@ -174,11 +207,12 @@ def sample_isolated(
     seeds: Sequence[int],
     positions: Sequence[int],
     states: Sequence[RequestLogits | None] | None = None,
+    mask: TokenMask | None = None,
 ) -> tuple[SampleOutput, dict[int, Exception]]:
     """`sample()`, and when the batch raises, every row alone: returns the output and the
     exception of each row that failed on its own (its token is -1, its log-prob None)."""
     try:
-        return sample(logits, params, seeds, positions, states), {}
+        return sample(logits, params, seeds, positions, states, mask), {}
     except Exception:
         pass
     tokens: list[int] = []
@@ -188,7 +222,8 @@ def sample_isolated(
     for i in range(len(params)):
         try:
             row = sample(logits[i : i + 1], params[i : i + 1], seeds[i : i + 1],
-                         positions[i : i + 1], states[i : i + 1] if states else None)  # fmt: skip
+                         positions[i : i + 1], states[i : i + 1] if states else None,
+                         mask.row(i) if mask is not None else None)  # fmt: skip
         except Exception as e:
             faults[i], row = e, SampleOutput([-1], None, None)
         tokens.append(row.tokens[0])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,6 +21,9 @@ from rollout.engine.logits_processors import RequestLogits
 from rollout.hashing import HASH_MODULUS
 from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord
 from rollout.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from rollout.engine.grammar import GrammarState
 
 
 class Sequence:
@@ -62,6 +65,7 @@ class Sequence:
         self.prompt_lp: list[float] = []  # prompt log-probs accumulated over prefill chunks
         self.prompt_top_n: list[dict[int, float]] = []  # and their top-n, when asked for
         self.processors: RequestLogits | None = None  # its logits processors, if any
+        self.grammar: GrammarState | None = None  # structured outputs (rollout.engine.grammar)
 
     @property
     def request(self) -> DynamicInferenceRequest:

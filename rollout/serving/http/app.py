@@ -32,7 +32,7 @@ from rollout.sampling import VLLM_LOGPROBS_MODES, SamplingParams
 from rollout.serving.auth import tokens_match
 from rollout.serving.client import InferenceClient, Partial
 from rollout.serving.client_errors import ClientStopped, RequestFailed
-from rollout.serving.http import tool_choice
+from rollout.serving.http import structured, tool_choice
 from rollout.serving.http.areal_routes import areal_router, as_token_ids
 from rollout.serving.http.body_limit import BodyLimit
 from rollout.serving.http.chat import prepare_messages, render_chat
@@ -325,6 +325,7 @@ async def _generate(be: Backend, req: Any, request: Request, prompts: list[list[
         raise APIError(404, f"model {req.model!r} does not exist (this server serves "
                             f"{be.model_name!r})", param="model", code="model_not_found")  # fmt: skip
     sps = sampling_params(req, be.logprobs_mode)
+    sps = structured.constrain(sps, structured.openai_specs(req, be.tool_call_parser))
     check_logprobs(req, be.limits)
     ticket = be.admission.admit(prompts, sps, caller_of(request))
     streaming = False

@@ -8,7 +8,8 @@ Body: `{"model", "token_ids", "sampling_params": {...}}` with vLLM's SamplingPar
 Parameters this server honours: max_tokens, temperature, top_p, top_k (-1: off), seed, n, stop,
 stop_token_ids, include_stop_str_in_output, ignore_eos, logprobs (the top-n; the sampled
 token's log-prob is always there), and the logits parameters min_p, min_tokens, logit_bias,
-allowed_token_ids, bad_words, presence/frequency/repetition penalties (as on /v1); the
+allowed_token_ids, bad_words, presence/frequency/repetition penalties (as on /v1),
+structured_outputs (or the older guided_decoding; see structured.py); the
 text-only ones (skip_special_tokens, spaces_between_special_tokens, detokenize) change nothing
 without text. Any other parameter, unless null or at vLLM's default, is refused with a 400
 naming it. `cache_salt` (SkyRL and prime-rl salt with the policy version) is accepted: KV
@@ -27,6 +28,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.sampling import VLLM_LOGPROBS_MODES, SamplingParams
+from rollout.serving.http import structured
 from rollout.serving.http.limits import caller_of
 from rollout.serving.http.schemas import (
     LOGITS_FIELDS,
@@ -95,6 +97,8 @@ def to_sampling_params(
     for name, default in DEFAULTS.items():
         if p.pop(name, default) not in (default, None):
             raise bad_request(f"sampling_params.{name} is not supported by this server", name)
+    specs = [(k, structured.vllm_spec(v, k)) for k in ("structured_outputs", "guided_decoding")
+             if (v := p.pop(k, None)) is not None]  # fmt: skip
     n = p.pop("n", 1)
     top_n = p.pop("logprobs", None)
     stop = p.pop("stop", None) or []
@@ -123,7 +127,7 @@ def to_sampling_params(
         raise bad_request(f"sampling_params: {e}", field) from None
     if base.min_tokens > base.num_tokens_to_generate:
         raise bad_request("sampling_params.min_tokens must be <= max_tokens", "min_tokens")
-    return sps, top_n
+    return structured.constrain(sps, specs), top_n
 
 
 def _choice(index: int, rec: Any, top_n: int | None) -> dict[str, Any]:

@@ -3,11 +3,10 @@ SamplingParams.
 
 Field names are OpenAI's (and vLLM's extensions), known ones validated strictly (`true` is not
 a token id, `"2"` not a count). Every parameter is honoured or refused (400 naming it), since a
-caller relying on one would otherwise get different samples: best_of, suffix, response_format
-other than text, and any field this server does not know (unless null, or one of NO_EFFECT,
+caller relying on one would otherwise get different samples: best_of, suffix, and any field this server does not know (unless null, or one of NO_EFFECT,
 which change nothing a server returns). Extension fields (vLLM's): `top_k` (-1: off),
 `min_p`, `min_tokens`, `repetition_penalty`, `allowed_token_ids`, `bad_words`, `ignore_eos`,
-`stop_token_ids`, `include_stop_str_in_output`, `spaces_between_special_tokens` (true only),
+`stop_token_ids`, the structured-output fields (structured.py), `include_stop_str_in_output`, `spaces_between_special_tokens` (true only),
 `logprobs_mode` (vLLM's values raw_logprobs | processed_logprobs; default: the server's
 --logprobs-mode), and `wait` (false: answer 503 instead of waiting while engines are paused or
 suspended).
@@ -113,6 +112,13 @@ class _Common(BaseModel):
     logprobs_mode: str | None = None
     include_stop_str_in_output: bool = False
     wait: bool = True
+    # structured outputs (rollout.serving.http.structured): OpenAI's and vLLM's spellings
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
@@ -151,7 +157,6 @@ class ChatRequest(_Common):
     tools: list[dict[str, Any]] | None = None  # rendered by the template (tool-calling agents)
     tool_choice: str | dict[str, Any] | None = None  # see tool_choice.py
     parallel_tool_calls: bool | None = None  # false: the first call only
-    response_format: dict[str, Any] | None = None  # {"type": "text"} only
     # extension: token ids of an already-rendered conversation (token-in/token-out agents)
     prompt_token_ids: list[int] | None = None
 
@@ -175,10 +180,6 @@ def _refuse_unknown(req: _Common) -> None:
         if getattr(req, name) not in (None, only):
             raise bad_request(f"{name}: {str(not only).lower()} is not supported by this server "
                               "(special tokens are never in the text)", name)  # fmt: skip
-    fmt = getattr(req, "response_format", None)
-    if fmt is not None and fmt.get("type") != "text":
-        raise bad_request(f"response_format {fmt.get('type')!r} is not supported by this server "
-                          "(only text)", "response_format")  # fmt: skip
 
 
 def _special_tokens_ok(req: _Common, skip: Any) -> bool:

@@ -5,8 +5,8 @@
 - "auto" (the default when tools are given): parsed when the server enables auto tool choice
   with a parser; asked for explicitly without them it is refused (400), as vLLM refuses it.
   Left implicit on a server without a parser, calls come back as text (the template decides).
-- "required" and a named function: refused (400). Honouring them needs generation constrained
-  to a call, which this server does not do; answering with free text would ignore them.
+- "required" and a named function: generation is constrained to calls in the parser's format
+  (rollout.serving.http.structured; needs --tool-call-parser and xgrammar), then parsed.
 """
 
 from __future__ import annotations
@@ -37,8 +37,11 @@ def parser_for(be: Any, req: Any) -> ToolParser | None:
         raise bad_request('tool_choice "auto" needs the server started with '
                           "--enable-auto-tool-choice and --tool-call-parser", "tool_choice")  # fmt: skip
     if choice == "required" or isinstance(choice, dict):
-        raise bad_request(f"tool_choice {choice!r} is not supported: this server does not "
-                          "constrain generation to a tool call", "tool_choice")  # fmt: skip
+        if be.tool_call_parser is None:
+            raise bad_request(f"tool_choice {choice!r} needs the server started with "
+                              "--tool-call-parser (the call format to constrain generation to)",
+                              "tool_choice")  # fmt: skip
+        return PARSERS[be.tool_call_parser]()
     raise bad_request(f"tool_choice must be none, auto, required or a function, got {choice!r}",
                       "tool_choice")  # fmt: skip
 
