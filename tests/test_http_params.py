@@ -1,5 +1,6 @@
 """Every request parameter is honoured or refused with a 400 naming it (never ignored): tool
-choices this server cannot honour, response formats other than text, unknown fields."""
+choices this server cannot honour (a forced call without --tool-call-parser), unknown response
+formats, unknown fields."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def _post(server, route: str, body: dict) -> httpx.Response:
             "tool_choice",
         ),
         ("chat/completions", {"tool_choice": "auto"}, "tool_choice"),  # without tools
-        ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
         ("chat/completions", {"min_p": -0.1}, "min_p"),
         ("chat/completions", {"functions": [{"name": "f"}]}, "functions"),
         ("completions", {"repetition_penalty": -1.2}, "repetition_penalty"),

@@ -71,7 +71,8 @@ def build(spec: dict[str, Any]) -> Any:
             return xgr.Grammar.from_regex("|".join(_regex_escape(c) for c in value))
         if kind == "grammar":
             return _ebnf_or_lark(xgr, value)
-        return xgr.Grammar.from_structural_tag(xgr.StructuralTag.from_json(value))
+        tag = _compact(xgr, json.loads(value))
+        return xgr.Grammar.from_structural_tag(xgr.StructuralTag.from_json(tag))
     except MissingGrammarLibrary:
         raise
     except Exception as e:  # xgrammar raises RuntimeError / ValueError / pydantic errors
@@ -82,6 +83,21 @@ def check(spec: dict[str, Any] | None) -> None:
     """ValueError naming the field unless `spec` (normalised) compiles; nothing for None."""
     if spec is not None:
         build(spec)
+
+
+def _compact(xgr: Any, node: Any) -> Any:
+    """A structural tag whose JSON-schema parts allow no free whitespace, as `json` specs: a
+    schema part becomes the grammar of its compact JSON (xgrammar's tags would otherwise admit
+    whitespace runs, which small or early-training models fill until max_tokens)."""
+    if isinstance(node, list):
+        return [_compact(xgr, n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and node.get("style", "json") == "json":
+        schema = json.dumps(node.get("json_schema"))
+        return {"type": "grammar",
+                "grammar": str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))}  # fmt: skip
+    return {k: _compact(xgr, v) for k, v in node.items()}
 
 
 def _ebnf_or_lark(xgr: Any, text: str) -> Any:
