@@ -146,6 +146,14 @@ class Grammars:
     def _compile(self, key: str) -> Any:
         return self.compiler().compile_grammar(build(json.loads(key)))
 
+    def warm(self) -> None:
+        """Import xgrammar and index the vocabulary now, where installed and a tokenizer is
+        given: a process that serves (rollout.serving.factory) pays these seconds at start-up,
+        not inside the step of its first constrained request (a stalled step loop misses
+        heartbeats)."""
+        if self.tokenizer is not None and available():
+            self.compiler()
+
     def compiler(self) -> Any:
         if self._compiler is None:
             xgr = xgrammar()

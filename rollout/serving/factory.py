@@ -90,7 +90,9 @@ def build_engine(
     if weights_file is not None:
         load_state_dict(net, load_snapshot(weights_file), strict=True)
     cfg = InferenceConfig(device=device, dtype=dtype, **inference_config)
-    return DynamicInferenceEngine(net.eval(), tok, cfg, weight_version)
+    engine = DynamicInferenceEngine(net.eval(), tok, cfg, weight_version)
+    engine.grammars.warm()  # structured outputs ready before the first request
+    return engine
 
 
 def model_source_kwargs(
