@@ -220,6 +220,8 @@ class TokenMask:
         bits = self.bits.to(logits.device, non_blocking=True)
         shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
         allowed = ((bits[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]
+        if len(self.rows) == logits.shape[0]:  # every row constrained: one pass, no gather
+            return logits.masked_fill(~allowed, float("-inf"))
         rows = torch.tensor(self.rows, device=logits.device)
         masked = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
         return logits.index_copy(0, rows, masked)
