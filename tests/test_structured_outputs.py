@@ -234,3 +234,13 @@ def test_without_xgrammar_a_constrained_request_fails_by_name(model, monkeypatch
     assert "xgrammar" in failure(rec.requests[-1])
     eng.add_request(1, [1, 2, 3], SamplingParams(num_tokens_to_generate=3))
     assert run(eng)[1].status == Status.COMPLETED  # others are served
+
+
+def test_benchmark_quick_writes_its_json_and_plot(tmp_path):
+    from benchmarks.structured_outputs import main
+
+    result = main(quick=True, out_dir=tmp_path)
+    assert (tmp_path / "structured_outputs.json").exists()
+    assert (tmp_path / "structured_outputs.png").exists()
+    assert result["json_schema"]["tokens"] == result["unconstrained"]["tokens"] > 0
+    assert result["json_schema"]["mask_cpu_s"] > result["unconstrained"]["mask_cpu_s"]
