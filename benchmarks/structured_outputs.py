@@ -147,7 +147,7 @@ def _plot(result: dict, path: Path) -> None:
 def main(quick: bool = False, out_dir: Path = RESULTS) -> dict:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     preset, vocab = ("tiny", 4096) if quick else ("small", 32000)
-    shape = {"batch": 4 if quick else 32, "tokens": 16 if quick else 128, "prompt_tokens": 16}
+    shape = {"batch": 4 if quick else 16, "tokens": 16 if quick else 64, "prompt_tokens": 16}
     tok = synthetic_tokenizer(vocab)
     model = build_model(ModelConfig.preset(preset, vocab_size=vocab), seed=0).eval()
     eng = DynamicInferenceEngine(model, tok, InferenceConfig(
@@ -161,9 +161,10 @@ def main(quick: bool = False, out_dir: Path = RESULTS) -> dict:
         for constrained in (False, True):  # warm-up, not counted
             run(eng, warm, constrained)
         runs: dict[bool, list[dict]] = {False: [], True: []}
-        for _ in range(1 if quick else 3):  # interleaved, best of: the machine is shared
+        for _ in range(1 if quick else 2):  # interleaved, best of: the machine is shared
             for constrained in runs:
                 runs[constrained].append(run(eng, shape, constrained))
+                print("constrained" if constrained else "free", runs[constrained][-1], flush=True)
     free, bound = (max(runs[c], key=lambda r: r["tokens_per_cpu_s"]) for c in (False, True))
     result = {
         "machine": {
