@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -116,8 +117,9 @@ def _regex_escape(text: str) -> str:
 
 
 def _first_line(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return (text[0] if text else type(e).__name__)[:500]
+    """xgrammar's message without its "[hh:mm:ss] file.cc:line:" prefix, on one line."""
+    text = " ".join(re.sub(r"\[\d\d:\d\d:\d\d\] \S+:\d+:", "", str(e)).split())
+    return (text or type(e).__name__)[:300]
 
 
 class Grammars:
