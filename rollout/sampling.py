@@ -232,6 +232,7 @@ class SamplingParams:
             "include_stop_str_in_output", self.include_stop_str_in_output
         )
         self._check_logits_fields()
+        self.structured_outputs = check_spec(self.structured_outputs)
 
     def _check_logits_fields(self) -> None:
         self.min_tokens = _int("min_tokens", self.min_tokens, 0, INT_LIMIT)
@@ -275,7 +276,6 @@ class SamplingParams:
             or self.frequency_penalty
             or self.repetition_penalty != 1.0
         )
-        self.structured_outputs = check_spec(self.structured_outputs)
 
     @property
     def is_greedy(self) -> bool:
