@@ -258,6 +258,10 @@ def test_manager_refuses_processors_by_name_unless_allowed(model):
             mgr.generate([PROMPT], sampling_params=sp)
         assert mgr.generate([PROMPT], sampling_params=sp.replace(  # truncations are not refused
             repetition_penalty=1.0, bad_words=[], min_p=0.1, top_k=-1))  # fmt: skip
+        grammar = sp.replace(repetition_penalty=1.0, bad_words=[],
+                             structured_outputs={"choice": ["yes", "no"]})  # fmt: skip
+        with pytest.raises(ValueError, match=r"sampling_params\.structured_outputs .*allow_logits"):
+            mgr.generate([PROMPT], sampling_params=grammar)  # the mask reshapes the logits too
     cfg = RolloutManagerConfig(allow_logits_processors=True)
     with RolloutManager(cfg, model=model, tokenizer=IdTokenizer(), inference_config=icfg) as mgr:
         sample = mgr.generate([PROMPT], sampling_params=sp)[0]

@@ -512,9 +512,10 @@ class RolloutManager:
                 f"sampling_params.logprobs_mode={sp.logprobs_mode!r} differs from the manager's "
                 f"logprobs_mode={mode!r}; leave it None or configure the manager"
             )
-        if sp.processes_logits and not self.config.allow_logits_processors:
+        reshaping = processors_of(sp) + (["structured_outputs"] if sp.structured_outputs else [])
+        if reshaping and not self.config.allow_logits_processors:
             raise ValueError(
-                f"sampling_params.{processors_of(sp)[0]} reshapes the logits the tokens are "
+                f"sampling_params.{reshaping[0]} reshapes the logits the tokens are "
                 "sampled from, which the trainer's log-prob recompute (log_softmax(logits / T)) "
                 "does not reproduce; set RolloutManagerConfig.allow_logits_processors=True and "
                 "recompute with rollout.engine.logits_processors.process, or leave it unset"

@@ -92,6 +92,9 @@ def check_replayable(sample: Sample) -> None:
             f"sample {sample.request_id} was sampled with logits processors "
             f"({', '.join(processors_of(sp))}): replay does not cover them"
         )
+    if sp.structured_outputs:  # the grammar state starts at the completion, not a segment
+        raise ValueError(f"sample {sample.request_id} was sampled under structured_outputs: "
+                         "replay does not cover grammar-constrained samples")  # fmt: skip
     if sp.seed is None and not sp.is_greedy:
         raise ValueError(f"sample {sample.request_id} was sampled without a seed")
     n = len(sample.completion_tokens)

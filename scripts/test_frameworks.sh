@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The RL frameworks' own client code against `rollout serve` and the verl plugin, in a venv of their
+# own (.venv-frameworks): SkyRL, AReaL and verl pin versions (peft, transformers, torch) that clash
+# with the `clients` extra, so they cannot share .venv. AReaL pins torch<2.11 and goes in without
+# its dependencies (the README's line). Run by .ci/run after the main suites.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PIP_CONSTRAINT="$PWD/constraints.txt" PIP_DISABLE_PIP_VERSION_CHECK=1 WANDB_MODE=offline
+VENV=.venv-frameworks
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+"$VENV/bin/python" -c "import torch" 2>/dev/null || "$VENV/bin/python" -m pip install -q torch==2.13.0
+"$VENV/bin/python" -m pip install -q -e '.[dev,skyrl,verl,ray]'
+"$VENV/bin/python" -m pip install -q --no-deps areal==1.0.4 colorlog tenacity flask torchdata lark \
+  uvloop ray numba orjson einops aiofiles
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "clients or heavy" \
+  tests/clients/test_skyrl.py tests/clients/test_areal.py tests/test_verl_plugin.py "$@"
