@@ -118,7 +118,7 @@ def _plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-def main(quick: bool = False, out_dir: Path = RESULTS) -> dict:
+def main(quick: bool = False, out_dir: Path = RESULTS, repeats: int | None = None) -> dict:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     preset = "tiny" if quick else "small"
     shape = (
@@ -138,7 +138,7 @@ def main(quick: bool = False, out_dir: Path = RESULTS) -> dict:
         },
         "preset": preset,
         "shape": shape,
-        "workloads": measure(preset, shape, 1 if quick else 3),
+        "workloads": measure(preset, shape, repeats or (1 if quick else 3)),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "batch_invariant.json").write_text(json.dumps(result, indent=2))
@@ -151,4 +151,6 @@ def main(quick: bool = False, out_dir: Path = RESULTS) -> dict:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true", help="tiny model, small shapes (CI smoke)")
-    main(p.parse_args().quick)
+    p.add_argument("--repeats", type=int, default=None, help="runs per mode (best counts)")
+    args = p.parse_args()
+    main(args.quick, repeats=args.repeats)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from typing import Any
 import torch
 
 from rollout.structured_outputs import FIELD
+
+log = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'rollout[structured]'"
 
@@ -153,8 +156,12 @@ class Grammars:
         given: a process that serves (rollout.serving.factory) pays these seconds at start-up,
         not inside the step of its first constrained request (a stalled step loop misses
         heartbeats)."""
-        if self.tokenizer is not None and available():
+        if self.tokenizer is None or not available():
+            return
+        try:
             self.compiler()
+        except Exception:  # a constrained request meets the error by name; the engine serves
+            log.exception("structured outputs unavailable on this engine")
 
     def compiler(self) -> Any:
         if self._compiler is None:
@@ -174,8 +181,8 @@ def tokenizer_info(xgr: Any, tokenizer: Any, vocab_size: int, eos_ids: list[int]
     if isinstance(tokenizer, ByteTokenizer):
         vocab: list[bytes | str] = [bytes([i]) for i in range(256)]
         vocab += [""] * (tokenizer.vocab_size - 256)  # bos/eos/pad: special, never text
-        return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
-                                 stop_token_ids=eos_ids)  # fmt: skip
+        return xgr.TokenizerInfo(vocab[:vocab_size], xgr.VocabType.RAW, vocab_size=vocab_size,
+                                 stop_token_ids=_ids_below(eos_ids, vocab_size))  # fmt: skip
     backend = tokenizer._tok if isinstance(tokenizer, HFTokenizer) else tokenizer
     if hasattr(backend, "to_str") and hasattr(backend, "get_vocab"):  # tokenizers.Tokenizer
         ids = backend.get_vocab(with_added_tokens=True)
@@ -183,11 +190,16 @@ def tokenizer_info(xgr: Any, tokenizer: Any, vocab_size: int, eos_ids: list[int]
         for text, i in ids.items():
             vocab[i] = text
         meta = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
-        return xgr.TokenizerInfo(vocab, meta["vocab_type"], vocab_size=vocab_size,
-                                 stop_token_ids=eos_ids,
+        return xgr.TokenizerInfo(vocab[:vocab_size], meta["vocab_type"], vocab_size=vocab_size,
+                                 stop_token_ids=_ids_below(eos_ids, vocab_size),
                                  add_prefix_space=meta["add_prefix_space"])  # fmt: skip
     return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                               stop_token_ids=eos_ids)  # fmt: skip
+
+
+def _ids_below(ids: list[int], vocab_size: int) -> list[int]:
+    """A model smaller than its tokenizer never samples the ids past its vocabulary."""
+    return [i for i in ids if i < vocab_size]
 
 
 @dataclass
