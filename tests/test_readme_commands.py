@@ -87,6 +87,7 @@ SNIPPETS = {
 }
 # README commands no test runs, each with the reason; keep this short.
 NOT_RUN = {
+    "bash scripts/test_frameworks.sh": ".ci/run runs it last (installs the frameworks, ~20 min)",
     "pip install hydra-submitit-launcher": "installs a package from the network",
     "rollout serve": "the command's name in prose; its synopsis and real runs are covered above",
     "rollout engine": "the command's name in prose; its real run is covered above",
