@@ -13,6 +13,6 @@ fi
 "$VENV/bin/python" -c "import torch" 2>/dev/null || "$VENV/bin/python" -m pip install -q torch==2.13.0
 "$VENV/bin/python" -m pip install -q -e '.[dev,skyrl,verl,ray]'
 "$VENV/bin/python" -m pip install -q --no-deps areal==1.0.4 colorlog tenacity flask torchdata lark \
-  uvloop ray numba orjson einops aiofiles
+  uvloop ray numba llvmlite orjson einops aiofiles blinker itsdangerous werkzeug
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "clients or heavy" \
   tests/clients/test_skyrl.py tests/clients/test_areal.py tests/test_verl_plugin.py "$@"

@@ -93,7 +93,7 @@ NOT_RUN = {
     "rollout engine": "the command's name in prose; its real run is covered above",
     "bash scripts/fetch_gpu_wheels.sh": "downloads wheels from the network",
     "pip install -e '.[skyrl]'": "installs packages from the network (tests/clients/test_skyrl.py)",
-    "pip install --no-deps areal==1.0.4 colorlog tenacity flask torchdata lark uvloop ray numba orjson einops aiofiles": "installs packages from the network (tests/clients/test_areal.py)",
+    "pip install --no-deps areal==1.0.4 colorlog tenacity flask torchdata lark uvloop ray numba llvmlite orjson einops aiofiles blinker itsdangerous werkzeug": "installs packages from the network (tests/clients/test_areal.py)",
     "bash scripts/gpu_check.sh": "runs on the GPU machine; its CPU mode is tests/test_gpu_check.py",
     "python scripts/gpu_check.py --device cpu": "tests/test_gpu_check.py runs it (~30 s; not twice)",
     "ray start --head --port=6379": "Ray's own CLI (daemons); tests/test_ray_launcher.py builds "
