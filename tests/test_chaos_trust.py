@@ -73,10 +73,9 @@ def _check(done: dict) -> None:
     assert c["applied"] == len(SCHEDULE) and c["refused"] == 0, done
     assert c["managers"] == 2 and c["coordinator_errors"] == 1, done
     assert c["restarted_engines"] == 1 and c["attacker_writes"] == 3000, done
-    # the frozen trainer either joined again (the coordinator forgot it) or discounted its own
-    # stall before the coordinator did (rollout.serving.stall); which one depends on timing, and
-    # the counts above and below check that nothing was lost either way
-    assert c["rejoins"] >= 0, done
+    # (no count of rejoins: the frozen trainer either joins again, when the coordinator forgot it,
+    # or discounts its own stall first (rollout.serving.stall), depending on timing; the counts
+    # above and below check that nothing was lost either way)
     # the unread streams (issue 31): their budget came back once the engines were done, and
     # their connection was aborted at the write-idle timeout
     assert c["honest_admitted"] == 1 and c["unread_aborted"] == 1, done
