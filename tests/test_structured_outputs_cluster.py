@@ -19,7 +19,7 @@ from rollout.serving.worker import EngineWorker
 
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
-pytestmark = [pytest.mark.heavy, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.heavy, pytest.mark.timeout(480)]
 
 ENGINE_KW = {"model": "tiny", "seed": 0, "max_requests": 16, "streaming_interval": 4}
 SCHEMA = {
@@ -51,7 +51,7 @@ async def test_grammar_state_survives_an_engine_sigkill():
         h.wait_engines(2, timeout=120)
         client = await h.client()
         futs = [client.add_request(p, sp) for p, sp in ITEMS]
-        await wait_until(lambda: h.coord.counters["partials"] >= 12, 60, "streamed checkpoints")
+        await wait_until(lambda: h.coord.counters["partials"] >= 12, 240, "streamed checkpoints")
         busiest = max(h.coord.engines.values(), key=lambda e: len(e.requests))
         os.kill(procs[busiest.rank].pid, signal.SIGKILL)
         records = await asyncio.wait_for(asyncio.gather(*futs), 120)
