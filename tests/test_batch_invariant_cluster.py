@@ -34,7 +34,7 @@ def _workload(n: int = 12) -> list[tuple[list[int], SamplingParams]]:
     for i in range(n):
         prompt = [rng.randint(1, 255) for _ in range(rng.randint(2, 40))]
         sp = SamplingParams(temperature=0.0 if i % 4 == 0 else 1.0, seed=1000 + i,
-                            num_tokens_to_generate=16, ignore_eos=True,
+                            num_tokens_to_generate=24, ignore_eos=True,
                             return_log_probs=True)  # fmt: skip
         items.append((prompt, sp))
     return items
@@ -47,6 +47,12 @@ def _direct(items):
         return [engine.generate([p], sp)[0] for p, sp in items]
     finally:
         engine.close()
+
+
+def _checkpointed(coord, engine) -> int:
+    """How many of `engine`'s requests have streamed a checkpoint (the coordinator's view)."""
+    pending = (coord.requests.get(rid) for rid in list(engine.requests))
+    return sum(1 for p in pending if p is not None and p.resume_tokens)
 
 
 def _bits(req) -> tuple[list[int], torch.Tensor]:
@@ -73,13 +79,19 @@ async def test_dp2_and_a_sigkilled_engine_give_the_bits_of_one_engine():
         merged = [r.merge() for r in records]
         assert all(_same(g, w) for g, w in zip(merged, expected, strict=True))
 
-        # SIGKILL the busiest engine once tokens have streamed: its requests are re-dispatched
-        # from their checkpoints and re-prefilled on the survivor, in other batches
+        # freeze both engines once tokens have streamed, then SIGKILL the one holding the most
+        # checkpointed, unfinished requests: they are re-dispatched from their checkpoints and
+        # re-prefilled on the survivor, in other batches (frozen, nothing finishes meanwhile)
         base = h.coord.counters["partials"]
         futs = [client.add_request(p, sp) for p, sp in items]
-        await wait_until(lambda: h.coord.counters["partials"] >= base + 6, 120, "checkpoints")
-        busiest = max(h.coord.engines.values(), key=lambda e: len(e.requests))
-        os.kill(procs[busiest.rank].pid, signal.SIGKILL)
+        await wait_until(lambda: h.coord.counters["partials"] >= base + 2, 120, "checkpoints")
+        for proc in procs:
+            os.kill(proc.pid, signal.SIGSTOP)
+        victim = max(list(h.coord.engines.values()), key=lambda e: _checkpointed(h.coord, e))
+        assert _checkpointed(h.coord, victim) > 0, "no engine holds a checkpointed request"
+        os.kill(procs[victim.rank].pid, signal.SIGKILL)
+        for proc in procs:
+            os.kill(proc.pid, signal.SIGCONT)
         records = await asyncio.wait_for(asyncio.gather(*futs), 120)
         assert h.coord.counters["redispatched"] > 0
         merged = [r.merge() for r in records]
