@@ -55,6 +55,12 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+def not_supported(what: str, instead: str) -> APIError:
+    """501 naming `what`, refused rather than ignored, and what to use `instead`."""
+    return APIError(501, f"{what} is not supported by this server ({instead})",
+                    "not_supported_error", param=what, code="not_supported")  # fmt: skip
+
+
 def unstated_extras(schema: dict[str, Any], cls: type) -> None:
     """`json_schema_extra` of models that refuse unknown fields themselves."""
     schema.pop("additionalProperties", None)

@@ -32,8 +32,8 @@ from fastapi.responses import PlainTextResponse
 from pydantic import ValidationError
 
 from rollout.serving.http.generate_route import VLLMSamplingParams, to_sampling_params
-from rollout.serving.http.schemas import APIError, bad_request
-from rollout.serving.http.vllm_control import json_body, not_supported
+from rollout.serving.http.schemas import APIError, bad_request, not_supported
+from rollout.serving.http.vllm_control import json_body
 from rollout.serving.http.weight_group import check_group_args, check_meta
 
 # SGLang sampling-parameter names -> vLLM's (generate_route.to_sampling_params)

@@ -7,10 +7,10 @@ translation onto `control.Control`:
     GET  /get_world_size                            POST /update_weights {"weight_dir"}
 
 `/update_weights {"weight_dir"}` is prime-rl's filesystem transport: the folder's safetensors
-become the next version (all-or-nothing). What these servers do over NCCL or CUDA IPC (vLLM's
-weight-transfer engine: `/init_weight_transfer_engine`, `/start_weight_update`,
-`/update_weights {"update_info"}`, `/finish_weight_update`; SkyRL's `/fetch_weights` deltas;
-`/collective_rpc` methods) is refused with 501 naming it, never ignored.
+become the next version (all-or-nothing). vLLM's weight-transfer routes (`/init_weight_transfer_engine`,
+`/start_weight_update`, `/update_weights {"update_info"}`, `/finish_weight_update`), SkyRL's
+`/fetch_weights` and its `/collective_rpc` methods serve SkyRL's delta backend (skyrl_sync.py);
+what needs NCCL or CUDA IPC is refused with 501 naming it, never ignored.
 """
 
 from __future__ import annotations
@@ -19,10 +19,8 @@ from typing import Any
 
 from fastapi import APIRouter, Query, Request
 
-from rollout.serving.http.schemas import APIError, bad_request
-
-REFUSED_ROUTES = ("/init_weight_transfer_engine", "/start_weight_update",
-                  "/finish_weight_update", "/fetch_weights")  # fmt: skip
+from rollout.serving.http.schemas import bad_request, not_supported
+from rollout.serving.http.skyrl_sync import DeltaSync
 
 
 def _flag(value: str | None, name: str) -> bool:
@@ -53,9 +51,12 @@ async def json_body(request: Request) -> dict[str, Any]:
     return body
 
 
-def not_supported(what: str, instead: str) -> APIError:
-    return APIError(501, f"{what} is not supported by this server ({instead})",
-                    "not_supported_error", param=what, code="not_supported")  # fmt: skip
+def delta_sync(request: Request) -> DeltaSync:
+    """The server's SkyRL delta chain, made on first use."""
+    state = request.app.state
+    if getattr(state, "delta_sync", None) is None:
+        state.delta_sync = DeltaSync(state.backend.control)
+    return state.delta_sync
 
 
 def vllm_router() -> APIRouter:
@@ -116,8 +117,9 @@ def vllm_router() -> APIRouter:
     async def update_weights(request: Request) -> dict:
         body = await json_body(request)
         if "update_info" in body:
-            raise not_supported("update_info", "vLLM's NCCL/IPC weight transfer; send "
-                                "{\"weight_dir\": folder} with the weights as safetensors")  # fmt: skip
+            if len(body) > 1:
+                raise bad_request("update_info comes alone", sorted(set(body) - {"update_info"})[0])
+            return await delta_sync(request).update(body["update_info"])
         if unknown := sorted(set(body) - {"weight_dir", "weight_version"}):
             raise bad_request(f"{unknown[0]} is not supported by this server", unknown[0])
         if "weight_dir" not in body:
@@ -129,20 +131,32 @@ def vllm_router() -> APIRouter:
         applied = await ctl.update_from_folder(body["weight_dir"], "weight_dir", version)
         return {"status": "ok", "weight_version": applied}
 
+    @router.post("/init_weight_transfer_engine")
+    async def init_weight_transfer_engine(request: Request) -> dict:
+        body = await json_body(request)
+        await delta_sync(request).init(body.get("init_info"))
+        return {"status": "ok"}
+
+    @router.post("/fetch_weights")
+    async def fetch_weights(request: Request) -> dict:
+        return await delta_sync(request).fetch(await json_body(request))
+
+    @router.post("/start_weight_update")
+    async def start_weight_update(request: Request) -> dict:
+        await json_body(request)  # vLLM's route takes none; a bad one is still a 400
+        delta_sync(request).start()
+        return {"status": "ok"}
+
+    @router.post("/finish_weight_update")
+    async def finish_weight_update(request: Request) -> dict:
+        return await delta_sync(request).finish(await json_body(request))
+
+    @router.post("/start_draft_weight_update")
+    async def start_draft_weight_update(request: Request) -> dict:
+        raise not_supported("/start_draft_weight_update", "no speculative-decoding drafter here")
+
     @router.post("/collective_rpc")
     async def collective_rpc(request: Request) -> dict:
-        body = await json_body(request)
-        method = body.get("method")
-        raise not_supported(f"collective_rpc method {method!r}",
-                            "worker RPCs do not exist here; weights load from a folder "
-                            "with POST /update_weights {\"weight_dir\"}")  # fmt: skip
-
-    for path in REFUSED_ROUTES:
-
-        async def refused(request: Request, _path: str = path) -> dict:
-            raise not_supported(_path, "weights load from a folder with POST /update_weights "
-                                "{\"weight_dir\"}")  # fmt: skip
-
-        router.add_api_route(path, refused, methods=["POST"])
+        return await delta_sync(request).collective_rpc(await json_body(request))
 
     return router
