@@ -14,5 +14,15 @@ fi
 "$VENV/bin/python" -m pip install -q -e '.[dev,skyrl,verl,ray]'
 "$VENV/bin/python" -m pip install -q --no-deps areal==1.0.4 colorlog tenacity flask torchdata lark \
   uvloop ray numba llvmlite orjson einops aiofiles blinker itsdangerous werkzeug
+# SkyRL 0.4's delta weight sync (tests/clients/test_skyrl_delta.py): skyrl 0.4 declares
+# Python >= 3.12, so its wheel is unpacked, not installed; the test loads the modules it needs
+SKYRL04="$VENV/skyrl-0.4.0"
+if [ ! -d "$SKYRL04/skyrl" ]; then
+  PIP_CONSTRAINT= "$VENV/bin/python" -m pip download -q skyrl==0.4.0 --no-deps \
+    --ignore-requires-python -d "$SKYRL04-wheel"
+  "$VENV/bin/python" -m zipfile -e "$SKYRL04-wheel/skyrl-0.4.0-py3-none-any.whl" "$SKYRL04"
+fi
+export SKYRL04_WHEEL_DIR="$PWD/$SKYRL04"
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "clients or heavy" \
-  tests/clients/test_skyrl.py tests/clients/test_areal.py tests/test_verl_plugin.py "$@"
+  tests/clients/test_skyrl.py tests/clients/test_skyrl_delta.py tests/clients/test_areal.py \
+  tests/test_verl_plugin.py "$@"

@@ -200,12 +200,11 @@ def test_pause_abort_answers_the_request_in_flight(served, client):
 
 
 def test_refused_by_name_and_guarded(served, client):
-    r = client.post("/collective_rpc", json={"method": "skyrl_start_weight_update"})
-    assert r.status_code == 501 and "skyrl_start_weight_update" in r.json()["error"]["message"]
+    r = client.post("/collective_rpc", json={"method": "update_weights_nccl"})
+    assert r.status_code == 501 and "update_weights_nccl" in r.json()["error"]["message"]
     r = client.post("/update_weights", json={"update_info": {"names": []}})
     assert r.status_code == 501 and r.json()["error"]["param"] == "update_info"
-    for path in ("/init_weight_transfer_engine", "/fetch_weights", "/update_weights_from_tensor"):
-        assert client.post(path, json={}).status_code == 501
+    assert client.post("/update_weights_from_tensor", json={}).status_code == 501
     assert client.post("/pause", params={"mode": "later"}).json()["error"]["param"] == "mode"
     assert client.post("/sleep", params={"level": 3}).json()["error"]["param"] == "level"
     assert client.post("/wake_up", params={"tags": "gpu"}).json()["error"]["param"] == "tags"

@@ -20,6 +20,7 @@ version untouched); finish pushes them through the trainer path as the next vers
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +109,10 @@ class DeltaSync:
         sync_dir, uri = _local(body.get("sync_dir"), "sync_dir"), _local(body.get("uri"), "uri")
         if sync_dir is None and uri is None:
             raise bad_request("sync_dir or uri is required", "sync_dir")
+        for module in ("zstandard", "xxhash"):
+            if importlib.util.find_spec(module) is None:
+                raise not_supported("/fetch_weights", f"{module} is not installed: "
+                                    "pip install 'rollout[skyrl]'")  # fmt: skip
         async with self.lock:
             if self.state is None:  # no init: the served model's own folder is the base
                 source = self.ctl.model_source
