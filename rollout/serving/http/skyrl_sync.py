@@ -36,7 +36,8 @@ DELTA_INIT = {"base_model_path", "local_checkpoint_dir", "cloud_download_workers
 DELTA_UPDATE = {"target_version", "version", "sync_dir", "uri"}
 INSTEAD = ("use SkyRL's delta backend (/fetch_weights, then /update_weights "
            "{\"update_info\": {\"target_version\"}}) or /update_weights {\"weight_dir\"}")  # fmt: skip
-RPC_KWARGS = {"skyrl_sleep_for_weight_sync": {"offload_kv"}, "skyrl_wake_for_weight_sync": {"tags"},
+RPC_KWARGS = {"skyrl_sleep_for_weight_sync": {"offload_kv"},
+              "skyrl_wake_for_weight_sync": {"tags"},
               "skyrl_start_weight_update": {"is_checkpoint_format"},
               "skyrl_finish_weight_update": set()}  # fmt: skip
 REFUSED_RPC = {

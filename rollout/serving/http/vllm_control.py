@@ -7,10 +7,11 @@ translation onto `control.Control`:
     GET  /get_world_size                            POST /update_weights {"weight_dir"}
 
 `/update_weights {"weight_dir"}` is prime-rl's filesystem transport: the folder's safetensors
-become the next version (all-or-nothing). vLLM's weight-transfer routes (`/init_weight_transfer_engine`,
-`/start_weight_update`, `/update_weights {"update_info"}`, `/finish_weight_update`), SkyRL's
-`/fetch_weights` and its `/collective_rpc` methods serve SkyRL's delta backend (skyrl_sync.py);
-what needs NCCL or CUDA IPC is refused with 501 naming it, never ignored.
+become the next version (all-or-nothing). vLLM's weight-transfer routes
+(`/init_weight_transfer_engine`, `/start_weight_update`, `/update_weights {"update_info"}`,
+`/finish_weight_update`), SkyRL's `/fetch_weights` and its `/collective_rpc` methods serve
+SkyRL's delta backend (skyrl_sync.py); what needs NCCL or CUDA IPC is refused with 501 naming
+it, never ignored.
 """
 
 from __future__ import annotations
