@@ -70,7 +70,6 @@ class DeltaSync:
 
     def __init__(self, ctl: Any) -> None:
         self.ctl = ctl
-        self.base: str | None = None  # base_model_path
         self.state: dict[str, torch.Tensor] | None = None  # the checkpoint at `version`
         self.version = 0  # SkyRL's publisher version
         self.staged: tuple[int, dict[str, torch.Tensor]] | None = None
@@ -95,7 +94,7 @@ class DeltaSync:
         base = _local(info["base_model_path"], "init_info.base_model_path")
         async with self.lock:
             self.state = await self._read_base(base, "init_info.base_model_path")
-            self.base, self.version, self.staged, self.pending = base, 0, None, False
+            self.version, self.staged, self.pending = 0, None, False
 
     async def _read_base(self, path: str, param: str) -> dict[str, torch.Tensor]:
         try:
@@ -122,7 +121,6 @@ class DeltaSync:
                                         "{\"init_info\": {\"base_model_path\"}} first",
                                    param="base_model_path", code="not_initialized")  # fmt: skip
                 self.state = await self._read_base(source, "base_model_path")
-                self.base = source
             if target == self.version:  # served already
                 self.staged, self.pending = None, False
                 return {"status": "ok", "target_version": target}
