@@ -257,7 +257,7 @@ class RolloutSystem:
         first, self._next_id = self._next_id, self._next_id + k
         prompt, sp = self._wire
         return [
-            encode(Headers.SUBMIT_REQUEST, first + i, prompt, sp, self.gen, False, None)
+            encode(Headers.SUBMIT_REQUEST, first + i, prompt, sp, self.gen, False, None, None)
             for i in range(k)
         ]
 

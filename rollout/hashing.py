@@ -3,6 +3,10 @@
 Block i's digest is sha256(digest_{i-1} || int64-LE bytes of its tokens), starting from 32 zero
 bytes, so a hash names the whole prefix up to and including its block. Unlike a polynomial hash,
 nobody can craft two different prefixes with the same key. Only complete blocks are hashed.
+
+A request's `cache_salt` (vLLM's) starts its chain from `salted_root(salt)` instead: the salt is
+mixed into the first block's hash, so every hash of the chain differs and requests with
+different salts never share a prefix-cache block (the same salt, or none, do).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 ROOT_DIGEST = bytes(32)
 HASH_MODULUS = 2**63 - 1  # hashes lie in [1, 2**63 - 1]; 0 and -1 stay free as sentinels
 
+_SALT_DOMAIN = b"rollout.cache_salt\0"  # a salted root can never equal ROOT_DIGEST's chain
 _INT64_LE = np.dtype("<i8")
 _I64_MAX = np.iinfo(np.int64).max
 
@@ -69,6 +74,13 @@ def chained_block_digests(tokens: Any, block_size: int, parent: bytes = ROOT_DIG
         parent = h.digest()
         digests.append(parent)
     return digests
+
+
+def salted_root(salt: str | None) -> bytes:
+    """The digest a request's chain starts from: ROOT_DIGEST unsalted, else one per salt."""
+    if salt is None:
+        return ROOT_DIGEST
+    return hashlib.sha256(_SALT_DOMAIN + salt.encode("utf-8", "surrogatepass")).digest()
 
 
 def digest_to_hash(d: bytes) -> int:

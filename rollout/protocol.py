@@ -21,13 +21,15 @@ Message catalogue (C = client, Co = coordinator, E = engine); `SCHEMA` is author
                                 version_is_label(bool: its weights did not come through the weight path)]
     ENGINE_REGISTER_ACK Co->E  [engine_id, heartbeat_s, state, weight_version, max_frame_bytes]
     SUBMIT_REQUEST     C->Co   [client_request_id, prompt(str | packed tokens), sampling_params(msgpack bytes),
-                                num_tokens_to_generate, stream, routing_key(str | None)]
+                                num_tokens_to_generate, stream, routing_key(str | None),
+                                cache_salt(str | None: a copy of sampling_params.cache_salt, so the
+                                coordinator hashes the prompt as the engine will without opening them)]
     DISPATCH_REQUEST   Co->E   [request_id, prompt, sampling_params, block_hashes(packed int64),
                                 resume_tokens(packed int32), resume_log_probs(packed float64),
                                 resume_weight_versions(packed int64), stream,
                                 resume_routed_experts(packed rows)]
     SUBMIT_BATCH       C->Co   [[[client_request_id, prompt, sampling_params, num_tokens_to_generate,
-                                stream, routing_key], ...]]   (SUBMIT_REQUESTs of one loop turn, one frame)
+                                stream, routing_key, cache_salt], ...]]   (SUBMIT_REQUESTs of one loop turn, one frame)
     DISPATCH_BATCH     Co->E   [[[DISPATCH_REQUEST fields], ...]]  (one SUBMIT_BATCH's rows per engine)
     REPLY              E->Co, Co->C   [[[id, record_bytes], ...]]           (batched per step)
     REPLY_PARTIAL      E->Co, Co->C   [[[id, new_tokens, new_log_probs, new_weight_versions, extra,
@@ -149,6 +151,7 @@ _SUBMIT_FIELDS = (
     ("num_tokens_to_generate", INT),
     ("stream", BOOL),
     ("routing_key", OPT_STR),  # requests with one key stay on one engine (an episode's turns)
+    ("cache_salt", OPT_STR),  # sampling_params.cache_salt: prefix hashes start from its root
 )
 MAX_ROUTING_KEY_CHARS = 256
 _DISPATCH_FIELDS = (

@@ -34,7 +34,7 @@ from rollout.events import (
     DynamicInferenceEventType,
     Status,
 )
-from rollout.hashing import compute_block_hashes_batched
+from rollout.hashing import compute_block_hashes_batched, salted_root
 from rollout.sampling import SamplingParams
 
 __all__ = [
@@ -282,8 +282,9 @@ class DynamicInferenceRequest(InferenceRequest):
             and self.block_size_tokens
             and self.prompt_length >= self.block_size_tokens  # else no complete block: []
         ):
+            root = salted_root(self.sampling_params.cache_salt)
             self.precomputed_block_hashes = compute_block_hashes_batched(
-                self.prompt_tokens, self.block_size_tokens
+                self.prompt_tokens, self.block_size_tokens, root
             )
         else:
             self.precomputed_block_hashes = []

@@ -21,6 +21,7 @@ MAX_STOP_TOKEN_IDS = 4096
 MAX_TOKEN_SET = 1 << 18  # logit_bias / allowed_token_ids entries: any vocabulary's size
 MAX_BAD_WORDS = 1024
 MAX_PENALTY = 2.0  # presence/frequency penalties lie in [-2, 2] (OpenAI's and vLLM's range)
+MAX_CACHE_SALT_CHARS = 256  # vLLM's cache_salt: hashed once per request (rollout.hashing)
 MAX_LOGIT_BIAS = 100.0  # a bias lies in [-100, 100] (OpenAI's range)
 GREEDY_BELOW = 1e-5  # temperature or top_p below this samples greedily (exact where it matters:
 # logits / 1e-46 overflow to inf, and top_p=1e-46 rounds to 0 in float32)
@@ -155,6 +156,9 @@ class SamplingParams:
     repetition (prompt and generated tokens), frequency and presence (generated tokens)
     penalties, and min_p (after temperature: drop tokens below min_p x the top probability).
     top_k=-1 is vLLM's spelling of "off" and is stored as 0.
+    cache_salt: vLLM's prefix-cache salt (1 to MAX_CACHE_SALT_CHARS characters, or None): mixed
+    into the hash of the prompt's first block (rollout.hashing.salted_root), so requests with
+    different salts never share prefix-cache blocks; the same salt, or none, do.
     structured_outputs: the grammar the output must follow (rollout.structured_outputs: one of
     json, json_object, regex, choice, grammar, structural_tag), or None; needs the
     `structured` extra (xgrammar) on the engine.
@@ -183,6 +187,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     structured_outputs: dict[str, Any] | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if type(self.top_k) is int and self.top_k == -1:  # vLLM's "off"
@@ -233,6 +238,11 @@ class SamplingParams:
         )
         self._check_logits_fields()
         self.structured_outputs = check_spec(self.structured_outputs)
+        if self.cache_salt is not None and not _salt_ok(self.cache_salt):
+            raise ValueError(f"cache_salt must be None or a str of 1 to {MAX_CACHE_SALT_CHARS} "
+                             f"characters, got {_short(self.cache_salt)}")  # fmt: skip
+        if self.cache_salt is not None:
+            self.cache_salt = str(self.cache_salt)  # a str subclass is stored as the plain str
 
     def _check_logits_fields(self) -> None:
         self.min_tokens = _int("min_tokens", self.min_tokens, 0, INT_LIMIT)
@@ -364,6 +374,9 @@ def _already_valid(d: dict[str, Any]) -> bool:
         and d["logprobs_mode"] in _MODES_OR_NONE
         and type(d["include_stop_str_in_output"]) is bool
         and d["structured_outputs"] is None  # a spec takes the general (checking) path
+        and (
+            d["cache_salt"] is None or (type(d["cache_salt"]) is str and _salt_ok(d["cache_salt"]))
+        )
         and type(words) is list
         and len(words) <= MAX_STOP_WORDS
         and (not words or all(type(w) is str and 0 < len(w) <= MAX_STOP_WORD_CHARS for w in words))
@@ -372,6 +385,10 @@ def _already_valid(d: dict[str, Any]) -> bool:
         and (not ids or all(type(i) is int and 0 <= i < INT_LIMIT for i in ids))
         and _logits_fields_default(d)
     )
+
+
+def _salt_ok(salt: Any) -> bool:
+    return isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT_CHARS
 
 
 _LOGITS_DEFAULTS = (("min_tokens", 0), ("logit_bias", None), ("allowed_token_ids", None),

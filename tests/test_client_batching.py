@@ -94,12 +94,12 @@ async def test_stop_fails_queued_submissions_without_sending_them(client):
 
 def test_submit_batch_schema_checks_every_row():
     sp = b"\x80"
-    frame = encode(Headers.SUBMIT_BATCH, [[1, pack_tokens([1, 2]), sp, 3, False, None]])
+    frame = encode(Headers.SUBMIT_BATCH, [[1, pack_tokens([1, 2]), sp, 3, False, None, None]])
     assert decode(frame)[0] is Headers.SUBMIT_BATCH
     with pytest.raises(ProtocolError, match=r"requests\[1\]\.num_tokens_to_generate must be int"):
         encode(
             Headers.SUBMIT_BATCH,
-            [[1, b"\0" * 4, sp, 3, False, None], [2, b"\0" * 4, sp, "3", False, None]],
+            [[1, b"\0" * 4, sp, 3, False, None, None], [2, b"\0" * 4, sp, "3", False, None, None]],
         )
 
 

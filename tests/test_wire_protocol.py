@@ -94,7 +94,7 @@ def test_wrong_arity_names_header_and_fields(fields, match):
     "fields, match",
     [
         (
-            [20, 1, [1, 2], b"", 4, False, None],
+            [20, 1, [1, 2], b"", 4, False, None, None],
             r"SUBMIT_REQUEST: field 'prompt' must be str \| bytes",
         ),
         # bool is not an int on the wire
@@ -163,7 +163,9 @@ def test_decoding_work_per_frame_is_bounded(frame):
 
 
 def test_legitimate_batches_fit_the_decoding_budget():
-    rows = [[i, b"\0" * 4096, b"\x80", 8, False, None] for i in range(256)]  # > 1 MB: hooks engaged
+    rows = [
+        [i, b"\0" * 4096, b"\x80", 8, False, None, None] for i in range(256)
+    ]  # > 1 MB: hooks engaged
     header, fields = decode(encode(Headers.SUBMIT_BATCH, rows))
     assert header is Headers.SUBMIT_BATCH and len(fields[0]) == 256
 

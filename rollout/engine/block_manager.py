@@ -5,7 +5,8 @@ hash (rollout.hashing). Later requests with the same prefix pin it instead of re
 Three rules keep a hit correct:
 
 - a hit is verified, not trusted: the block's tokens must equal the request's tokens and its
-  parent must be the block matched just before (so a hash collision can never return wrong KV);
+  parent must be the block matched just before (so a hash collision can never return wrong KV),
+  and a first block must carry the request's `cache_salt` (salted chains never mix);
 - a block is stamped with the weight version that computed it (the oldest version in its whole
   prefix, since its KV attends to the parents' KV) and only hits on the current version;
 - unreferenced registered blocks are evicted LRU, leaves only, so a parent never goes before
@@ -38,6 +39,7 @@ class Block:
     hash: int = NO_HASH  # registered in the prefix cache iff != NO_HASH
     tokens: tuple[int, ...] = ()
     parent: int = NO_PARENT  # registered parent block id (NO_PARENT for a first block)
+    salt: str | None = None  # a first block's cache_salt (its children share it via the chain)
     children: int = 0  # registered blocks whose parent is this one
     version: int = 0  # weight version of the oldest KV this block depends on
     last_used: int = 0
@@ -195,9 +197,12 @@ class BlockManager:
                 self._release(bid)
 
     # -- prefix cache ----------------------------------------------------------------------
-    def match_prefix(self, hashes: Sequence[int], tokens: Sequence[int], version: int) -> list[int]:
+    def match_prefix(
+        self, hashes: Sequence[int], tokens: Sequence[int], version: int, salt: str | None = None
+    ) -> list[int]:
         """Pin the longest verified run of cached blocks for `hashes` (one per complete block of
-        `tokens`) computed under `version`; returns their ids (ref counts already taken)."""
+        `tokens`, chained from `salt`'s root) computed under `version`; returns their ids (ref
+        counts already taken)."""
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
@@ -209,7 +214,11 @@ class BlockManager:
             if bid is None:
                 break
             b = self.blocks[bid]
-            if b.parent != parent or b.tokens != tuple(tokens[i * bs : (i + 1) * bs]):
+            if (
+                b.parent != parent
+                or b.tokens != tuple(tokens[i * bs : (i + 1) * bs])
+                or (i == 0 and b.salt != salt)
+            ):
                 self.stats.collisions += 1
                 break
             if b.version != version:
@@ -226,10 +235,17 @@ class BlockManager:
         return matched
 
     def register(
-        self, block_id: int, block_hash: int, tokens: Sequence[int], parent: int, version: int
+        self,
+        block_id: int,
+        block_hash: int,
+        tokens: Sequence[int],
+        parent: int,
+        version: int,
+        salt: str | None = None,
     ) -> bool:
         """Publish a computed, complete block. `parent` is the previous block of the same
-        sequence (NO_PARENT for the first); it must itself be registered. Returns whether the
+        sequence (NO_PARENT for the first); it must itself be registered. `salt`: the
+        sequence's cache_salt (kept on a first block, checked on a hit). Returns whether the
         block is now cached (False for duplicates or a parent that is not cached)."""
         if not self.enable_prefix_caching:
             return False
@@ -247,6 +263,7 @@ class BlockManager:
             version = min(version, p.version)
             p.children += 1
         b.hash, b.tokens, b.parent, b.version = block_hash, tuple(tokens), parent, version
+        b.salt = salt if parent == NO_PARENT else None
         self.cache[block_hash] = block_id
         return True
 
@@ -282,6 +299,7 @@ class BlockManager:
     @staticmethod
     def _clear(b: Block) -> None:
         b.hash, b.tokens, b.parent, b.children, b.version = NO_HASH, (), NO_PARENT, 0, 0
+        b.salt = None
 
     def check_invariants(self) -> None:
         """Raise AssertionError on inconsistent bookkeeping (tests call this)."""

@@ -573,7 +573,7 @@ class DynamicInferenceEngine:
         for i in range(seq.num_registered, full):
             parent = seq.block_table[i - 1] if i else NO_PARENT
             self.blocks.register(seq.block_table[i], hashes[i], seq.tokens[i * bs : (i + 1) * bs],
-                                 parent, self.weight_version)  # fmt: skip
+                                 parent, self.weight_version, seq.cache_salt)  # fmt: skip
         seq.num_registered = full
 
     # -- scheduler callbacks ------------------------------------------------------------------

@@ -204,7 +204,7 @@ class Scheduler:
         if not (self.blocks.enable_prefix_caching and seq.cacheable) or seq.wants_prompt_log_probs:
             return []
         usable = (len(seq.tokens) - 1) // self.blocks.block_size  # compute >= 1 token for logits
-        return self.blocks.match_prefix(hashes[:usable], seq.tokens, version)
+        return self.blocks.match_prefix(hashes[:usable], seq.tokens, version, seq.cache_salt)
 
     def _reuse_prefix(self, seq: Sequence, version: int) -> None:
         if not self.blocks.enable_prefix_caching:

@@ -54,6 +54,7 @@ class Sequence:
         self.num_computed = 0
         self.block_table: list[int] = []
         self._digests: list[bytes] = []
+        self.cache_salt = req.sampling_params.cache_salt  # its chain starts from the salted root
         # given hashes (the coordinator's) stand for the first blocks; the chain goes on from
         # digests computed only when a later block needs them
         self.hashes: list[int] = list(block_hashes or [])
@@ -97,7 +98,7 @@ class Sequence:
         """Chained hashes of the first `num_blocks` complete blocks (extended incrementally)."""
         if num_blocks > len(self.hashes):
             have, bs = len(self._digests), self.block_size
-            parent = self._digests[-1] if self._digests else hashing.ROOT_DIGEST
+            parent = self._digests[-1] if self._digests else hashing.salted_root(self.cache_salt)
             new = hashing.chained_block_digests(
                 self.tokens[have * bs : num_blocks * bs], bs, parent
             )

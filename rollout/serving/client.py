@@ -302,11 +302,12 @@ class InferenceClient:
             raise ValueError(f"sampling_params cannot be sent: {e}") from None
         if self._sock is None or self._stopped or not self._started:
             raise ClientStopped("client is not started or already stopped")
-        size = row_bytes(wire, sp_bytes, routing_key)
+        size = row_bytes(wire, sp_bytes, routing_key, sp.cache_salt)
         crid = next(self._ids)
         if size + FRAME_OVERHEAD > self.max_frame_bytes:
             raise ValueError(too_large(crid, size, self.max_frame_bytes))
-        row = [crid, wire, sp_bytes, sp.num_tokens_to_generate, bool(_stream), routing_key]
+        row = [crid, wire, sp_bytes, sp.num_tokens_to_generate, bool(_stream), routing_key,
+               sp.cache_salt]  # fmt: skip
         if self._rejoin.active:
             pass  # handshaking again: sent with the other pending rows once acked
         elif self._turn_open:

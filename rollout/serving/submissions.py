@@ -46,10 +46,11 @@ def wire_prompt(prompt: Any) -> str | bytes:
     return wire
 
 
-def row_bytes(prompt: str | bytes, sp_bytes: bytes, routing_key: str | None) -> int:
+def row_bytes(prompt: str | bytes, sp_bytes: bytes, routing_key: str | None,
+              cache_salt: str | None = None) -> int:  # fmt: skip
     """An upper bound of a submission row's size on the wire."""
     size = SUBMIT_ROW_OVERHEAD + len(sp_bytes)
-    for text in (prompt, routing_key or ""):
+    for text in (prompt, routing_key or "", cache_salt or ""):
         size += len(text) if type(text) is bytes or text.isascii() else len(text.encode())
     return size
 

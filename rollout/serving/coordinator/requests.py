@@ -16,6 +16,7 @@ from collections.abc import Callable
 import numpy as np
 
 from rollout.protocol import MAX_ROUTING_KEY_CHARS, Headers, batch_frames, encode, pack_hashes
+from rollout.sampling import MAX_CACHE_SALT_CHARS
 from rollout.serving.coordinator.config import CoordinatorConfig
 from rollout.serving.coordinator.peers import ClientPeer, EnginePeer, Pending
 from rollout.serving.coordinator.routing import PREFIX_POLICIES, Router, affinity_key
@@ -61,7 +62,7 @@ class RequestPath:
     def on_submit(
         self, client: ClientPeer, fields: list, batch: dict[bytes, list] | None = None
     ) -> None:
-        crid, prompt, sp, num_tokens, stream, routing_key = fields
+        crid, prompt, sp, num_tokens, stream, routing_key, salt = fields
         problem = None
         if self.stopping():
             problem = "coordinator is stopping: request refused"
@@ -75,13 +76,15 @@ class RequestPath:
             problem = f"packed prompt length {len(prompt)} is not a multiple of 4"
         elif routing_key is not None and not 0 < len(routing_key) <= MAX_ROUTING_KEY_CHARS:
             problem = f"routing_key must have 1 to {MAX_ROUTING_KEY_CHARS} characters"
+        elif salt is not None and not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
+            problem = f"cache_salt must have 1 to {MAX_CACHE_SALT_CHARS} characters"
         if problem is not None:
             self.counters["rejected"] += 1
             self.error(client.identity, Headers.SUBMIT_REQUEST, crid, problem)
             return
         if type(prompt) is bytes:
             prompt_len = len(prompt) // 4
-            hashes = self._hashes(prompt)
+            hashes = self._hashes(prompt, salt)
         else:
             prompt_len, hashes = len(prompt) // 4 + 1, []  # text: rough estimate, no hashing
         self._next_request_id += 1
@@ -97,7 +100,7 @@ class RequestPath:
             hashes=hashes,
             packed_hashes=pack_hashes(hashes) if hashes else b"",
             stream=stream,
-            affinity=self._affinity(prompt, hashes),
+            affinity=self._affinity(prompt, hashes, salt),
             routing_key=routing_key,
         )
         self.requests[rid] = p
@@ -122,20 +125,25 @@ class RequestPath:
                 if not self.send_engine(engine, frame):
                     break  # the engine was removed and everything it held re-dispatched
 
-    def _hashes(self, packed_prompt: bytes) -> list[int]:
-        """Block hashes, computed once here and forwarded so the engine need not recompute."""
+    def _hashes(self, packed_prompt: bytes, salt: str | None) -> list[int]:
+        """Block hashes, computed once here and forwarded so the engine need not recompute;
+        chained from the request's cache_salt, as the engine chains them."""
         if self.config.policy not in PREFIX_POLICIES or self.block_size is None:
             return []
-        from rollout.hashing import compute_block_hashes_batched  # torch: only prefix policies
+        from rollout.hashing import (  # torch: only prefix policies
+            compute_block_hashes_batched,
+            salted_root,
+        )
 
         tokens = np.frombuffer(packed_prompt, dtype="<i4")
-        return compute_block_hashes_batched(tokens, self.block_size)
+        return compute_block_hashes_batched(tokens, self.block_size, salted_root(salt))
 
-    def _affinity(self, prompt: str | bytes, hashes: list[int]) -> int | None:
-        """Routing-only key that keeps a group together when its prompt has no block hash."""
+    def _affinity(self, prompt: str | bytes, hashes: list[int], salt: str | None) -> int | None:
+        """Routing-only key that keeps a group together when its prompt has no block hash
+        (salted prompts group by salt too: they share no KV with other salts)."""
         if hashes or self.config.policy not in PREFIX_POLICIES:
             return None
-        return affinity_key(prompt)
+        return affinity_key(prompt, salt)
 
     def dispatch(self, p: Pending, batch: dict[bytes, list] | None = None) -> None:
         """Route p to an engine (or park it until one registers, up to engine_wait_s).

@@ -39,8 +39,9 @@ _AFFINITY_PERSON = b"rollout-affinity"  # BLAKE2b personalization: its own hash 
 _KEY_MODULUS = 2**63 - 1
 
 
-def affinity_key(prompt: str | bytes) -> int:
-    """Routing-only key of a whole prompt (packed int32 tokens or text) in [1, 2**63 - 1].
+def affinity_key(prompt: str | bytes, salt: str | None = None) -> int:
+    """Routing-only key of a whole prompt (packed int32 tokens or text) and its cache_salt, in
+    [1, 2**63 - 1].
 
     BLAKE2b with its own personalization, not the SHA-256 block chain of rollout.hashing, so it
     can never be mistaken for (or forwarded as) a KV-cache block hash.
@@ -49,6 +50,9 @@ def affinity_key(prompt: str | bytes) -> int:
         tag, data = b"s", prompt.encode("utf-8", "surrogatepass")
     else:
         tag, data = b"t", bytes(prompt)
+    if salt is not None:  # length-prefixed: no (salt, prompt) pair reads as another
+        raw = salt.encode("utf-8", "surrogatepass")
+        tag = b"S" + len(raw).to_bytes(4, "little") + raw + tag
     digest = hashlib.blake2b(tag + data, digest_size=8, person=_AFFINITY_PERSON).digest()
     return int.from_bytes(digest, "little") % _KEY_MODULUS + 1
 

@@ -346,6 +346,7 @@ async def _generate(be: Backend, req: Any, request: Request, prompts: list[list[
             ticket.release()
     generated = [0 if _scores_only(req) else len(r.generated_tokens) for r in records]
     usage = _usage(prompts, len(sps), generated)
+    usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens(records, len(sps))}
     be.metrics.tokens(usage["prompt_tokens"], usage["completion_tokens"])
     return await be.off_loop(_answer, be, req, prompts, len(sps), records, chat, rid, usage)
 
@@ -406,7 +407,13 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _usage(prompts: list[list[int]], n: int, generated: list[int]) -> dict[str, int]:
+def cached_tokens(records: list, n: int) -> int:
+    """OpenAI's `usage.prompt_tokens_details.cached_tokens`: prompt tokens the prefix cache
+    served, once per prompt (its first choice's), as prompt_tokens counts them."""
+    return sum(int(r.cached_tokens) for r in records[::n])
+
+
+def _usage(prompts: list[list[int]], n: int, generated: list[int]) -> dict:
     prompt_tokens = sum(len(p) for p in prompts)  # once per prompt, whatever n, as OpenAI counts
     completion = sum(generated)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,

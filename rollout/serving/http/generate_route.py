@@ -12,9 +12,9 @@ allowed_token_ids, bad_words, presence/frequency/repetition penalties (as on /v1
 structured_outputs (or the older guided_decoding; see structured.py); the
 text-only ones (skip_special_tokens, spaces_between_special_tokens, detokenize) change nothing
 without text. Any other parameter, unless null or at vLLM's default, is refused with a 400
-naming it. `cache_salt` (SkyRL and prime-rl salt with the policy version) is accepted: KV
-computed under other weights is never reused here anyway. An `X-Session-ID` header routes a
-session's requests to one engine.
+naming it. `cache_salt` (SkyRL and prime-rl salt with the policy version) is honoured as vLLM
+does: prefix-cache blocks are shared only between requests with the same salt (or none). An
+`X-Session-ID` header routes a session's requests to one engine.
 """
 
 from __future__ import annotations
@@ -161,12 +161,14 @@ def generate_router(check_wait: Callable, submit: Callable, wait_or_abort: Calla
             raise APIError(404, f"model {body.model!r} does not exist (this server serves "
                                 f"{be.model_name!r})", param="model", code="model_not_found")  # fmt: skip
         extra = dict(body.model_extra or {})
-        check_cache_salt(extra.pop("cache_salt", None))
+        salt = check_cache_salt(extra.pop("cache_salt", None))
         if unknown := [k for k, v in extra.items() if v is not None]:
             raise bad_request(f"{unknown[0]} is not supported by this server", unknown[0])
         if body.stream:
             raise bad_request("stream is not supported on /inference/v1/generate", "stream")
         sps, top_n = to_sampling_params(body.sampling_params, be.logprobs_mode)
+        if salt is not None:
+            sps = [sp.replace(cache_salt=salt) for sp in sps]
         experts = request.url.path == "/skyrl/v1/generate"
         if experts:
             sps = [sp.replace(return_routed_experts=True) for sp in sps]
@@ -197,7 +199,8 @@ def _response(be: Any, body: GenerateRequest, records: list, top_n: int | None,
             "choices": choices,
             "prompt_token_ids": body.token_ids, "prompt_logprobs": None,
             "usage": {"prompt_tokens": len(body.token_ids), "completion_tokens": completion,
-                      "total_tokens": len(body.token_ids) + completion}})  # fmt: skip
+                      "total_tokens": len(body.token_ids) + completion,
+                      "prompt_tokens_details": {"cached_tokens": records[0].cached_tokens}}})  # fmt: skip
 
 
 class _Wait:

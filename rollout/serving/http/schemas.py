@@ -7,6 +7,7 @@ caller relying on one would otherwise get different samples: best_of, suffix, an
 which change nothing a server returns). Extension fields (vLLM's): `top_k` (-1: off),
 `min_p`, `min_tokens`, `repetition_penalty`, `allowed_token_ids`, `bad_words`, `ignore_eos`,
 `stop_token_ids`, the structured-output fields (structured.py), `include_stop_str_in_output`, `spaces_between_special_tokens` (true only),
+`cache_salt` (prefix-cache blocks shared only with requests of the same salt),
 `logprobs_mode` (vLLM's values raw_logprobs | processed_logprobs; default: the server's
 --logprobs-mode), and `wait` (false: answer 503 instead of waiting while engines are paused or
 suspended).
@@ -18,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout.sampling import VLLM_LOGPROBS_MODES, SamplingParams
+from rollout.sampling import MAX_CACHE_SALT_CHARS, VLLM_LOGPROBS_MODES, SamplingParams
 
 # SamplingParams field -> the OpenAI parameter a caller set it through (for error `param`).
 PARAM_NAMES = {
@@ -67,16 +68,20 @@ def unstated_extras(schema: dict[str, Any], cls: type) -> None:
 
 
 # Accepted without effect: bookkeeping fields that do not change what a server returns.
-# `cache_salt` (vLLM's; prime-rl and SkyRL salt with the policy version): prefix-cache blocks
-# computed under other weights are never reused here, salted or not (check_cache_salt).
-NO_EFFECT = frozenset({"metadata", "store", "service_tier", "cache_salt"})
-MAX_CACHE_SALT = 256
+NO_EFFECT = frozenset({"metadata", "store", "service_tier"})
+# Extensions outside the OpenAI schema that this server honours (vLLM's `cache_salt`: prefix-
+# cache blocks are shared only between requests with the same salt, or both unsalted).
+HONOURED_EXTRAS = frozenset({"cache_salt"})
 
 
-def check_cache_salt(salt: Any) -> None:
-    if salt is not None and (not isinstance(salt, str) or len(salt) > MAX_CACHE_SALT):
-        raise bad_request(f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters",
-                          "cache_salt")  # fmt: skip
+def check_cache_salt(salt: Any) -> str | None:
+    """The request's cache_salt (None when absent); a 400 naming it unless a non-empty str."""
+    if salt is not None and (
+        not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS
+    ):
+        raise bad_request(f"cache_salt must be a non-empty string of at most "
+                          f"{MAX_CACHE_SALT_CHARS} characters", "cache_salt")  # fmt: skip
+    return salt
 
 
 STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
@@ -175,7 +180,7 @@ def _refuse_unknown(req: _Common) -> None:
     for name, value in (req.model_extra or {}).items():
         if name == "skip_special_tokens" and _special_tokens_ok(req, value):
             continue
-        if value is not None and name not in NO_EFFECT:
+        if value is not None and name not in NO_EFFECT and name not in HONOURED_EXTRAS:
             raise bad_request(f"{name} is not supported by this server", name)
     if unknown := sorted(set(req.stream_options or {}) - STREAM_OPTIONS):
         raise bad_request(f"stream_options.{unknown[0]} is not supported by this server",
@@ -249,6 +254,7 @@ def sampling_params(
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "return_prompt_log_probs": isinstance(req, CompletionRequest)
         and req.wants_prompt_logprobs(),
+        "cache_salt": (req.model_extra or {}).get("cache_salt"),  # checked by _refuse_unknown
     }
     for name in ("temperature", "top_p", *LOGITS_FIELDS):
         if getattr(req, name) is not None:
