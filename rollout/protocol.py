@@ -36,7 +36,8 @@ Message catalogue (C = client, Co = coordinator, E = engine); `SCHEMA` is author
                                 new_routed_experts], ...]]   (routing replay's rows, `pack_experts`, or None)
     ABORT_REQUEST      C->Co, Co->E   [id]
     PAUSE/UNPAUSE/RESUME/STOP  C->Co->E  [control_id]
-    SUSPEND            C->Co->E  [control_id, mode]
+    SUSPEND            C->Co->E  [control_id, mode, weights(keep | offload | discard: vLLM's sleep levels
+                               1 and 2 for the weights; rollout.engine.weights_residency)]
     SET_WEIGHT_VERSION C->Co->E  [control_id, version, rendezvous({host, port, timeout_s} | None)]
                                (rendezvous: where the trainer's weight-sync store listens; an
                                engine started without one joins the sync group from it)
@@ -106,6 +107,7 @@ class Headers(IntEnum):
 
 
 SUSPEND_MODES = ("persist", "offload", "recompute")  # SUSPEND's mode: what happens to the KV cache
+WEIGHT_MODES = ("keep", "offload", "discard")  # SUSPEND's weights: what happens to the weights
 
 CONTROL_HEADERS = frozenset(
     {
@@ -213,7 +215,7 @@ SCHEMA: dict[Headers, tuple[tuple[str, Any], ...]] = {
     Headers.ABORT_REQUEST: (("id", INT),),
     Headers.PAUSE: _CONTROL,
     Headers.UNPAUSE: _CONTROL,
-    Headers.SUSPEND: (("control_id", INT), ("mode", STR)),
+    Headers.SUSPEND: (("control_id", INT), ("mode", STR), ("weights", STR)),
     Headers.RESUME: _CONTROL,
     Headers.STOP: _CONTROL,
     Headers.SET_WEIGHT_VERSION: (("control_id", INT), ("version", INT), ("rendezvous", OPT_DICT)),

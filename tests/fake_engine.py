@@ -189,6 +189,9 @@ class FakeEngine:
     def resume(self) -> None:
         self.suspended = None
 
+    def release_weights(self, mode: str) -> dict:
+        return {"weights": "resident (a fake engine has none)", "weights_bytes_freed": 0}
+
     def wake(self) -> None:
         """step() never blocks here."""
 

@@ -159,14 +159,17 @@ def test_an_engine_restarted_after_a_folder_update_serves_the_folder(tmp_path):
 # ---- SkyRL's control calls -----------------------------------------------------------------
 
 
-def test_skyrl_control_calls(served, client):
+def test_skyrl_control_calls(served, client, tmp_path):
     # RemoteInferenceClient: world size, sleep/wake (level 2, tags), reset cache, pause modes
     assert client.get("/get_world_size").json() == {"world_size": 1}
     r = client.post("/sleep", params={"level": 2})
     assert r.status_code == 200 and r.json()["kv_cache_bytes_freed"] > 0
+    assert r.json()["weights"] == "discarded" and r.json()["weights_bytes_freed"] > 0
     assert client.get("/is_sleeping").json() == {"is_sleeping": True}
     assert client.post("/wake_up", params={"tags": "weights"}).status_code == 200
     assert client.get("/is_sleeping").json() == {"is_sleeping": True}  # the KV is not back yet
+    folder, _ = _folder(tmp_path, 13, "colocated")  # the colocated order: weights, then the KV
+    assert client.post("/update_weights", json={"weight_dir": str(folder)}).status_code == 200
     assert client.post("/wake_up", params={"tags": "kv_cache"}).status_code == 200
     assert client.get("/is_sleeping").json() == {"is_sleeping": False}
     r = client.post("/reset_prefix_cache", json={"reset_running_requests": True})
@@ -315,13 +318,17 @@ def test_slime_sequence(served, client, tmp_path):
     folder2, _ = _folder(tmp_path, 22, "disk")
     r = client.post("/update_weights_from_disk", json={"model_path": str(folder2)})
     assert r.status_code == 200 and r.json()["weight_version"] == str(before + 2)
-    assert client.post("/release_memory_occupation", json={}).status_code == 200
+    r = client.post("/release_memory_occupation", json={})
+    assert r.status_code == 200 and r.json()["weights"] == "discarded", r.text
     assert client.post("/resume_memory_occupation", json={"tags": ["weights"]}).status_code == 200
+    folder3, _ = _folder(tmp_path, 23, "colocated")  # slime's colocated order: weights, then KV
+    r = client.post("/update_weights_from_disk", json={"model_path": str(folder3)})
+    assert r.status_code == 200 and r.json()["weight_version"] == str(before + 3)
     assert client.post("/resume_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
     r = client.post("/generate", json={"text": "ab", "return_logprob": True,
                                        "sampling_params": {"max_new_tokens": 3,
                                                            "temperature": 0}}).json()  # fmt: skip
-    assert r["meta_info"]["output_token_weight_versions"] == [before + 2] * 3
+    assert r["meta_info"]["output_token_weight_versions"] == [before + 3] * 3
 
 
 # ---- AReaL: /v1/completions with token ids, /areal_* ---------------------------------------

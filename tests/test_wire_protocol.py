@@ -80,7 +80,7 @@ def test_malformed_frames(frame, match):
 @pytest.mark.parametrize(
     "fields, match",
     [
-        ([int(Headers.SUSPEND), 1], r"SUSPEND: expected 2 fields \(control_id, mode\)"),
+        ([int(Headers.SUSPEND), 1], r"SUSPEND: expected 3 fields \(control_id, mode, weights\)"),
         ([int(Headers.DISCONNECT), 1], "DISCONNECT: expected 0 fields"),
     ],
     ids=["suspend-missing-mode", "disconnect-extra-field"],

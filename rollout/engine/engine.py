@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rollout.engine import grammar, sampler
+from rollout.engine import grammar, introspection, sampler
 from rollout.engine.block_manager import NO_PARENT, BlockManager
 from rollout.engine.config import InferenceConfig
 from rollout.engine.cuda_graphs import DecodeGraphs
@@ -52,6 +52,7 @@ from rollout.engine.routing import RoutingRecorder, check_routing
 from rollout.engine.scheduler import ScheduledBatch, Scheduler
 from rollout.engine.sequence import Sequence, check_block_hashes
 from rollout.engine.staging import Staged, WeightStage, check_update
+from rollout.engine.weights_residency import WeightsResidency
 from rollout.models import batch_invariant as bi
 from rollout.protocol import SUSPEND_MODES
 from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord, Status
@@ -156,6 +157,7 @@ class DynamicInferenceEngine:
         self._inflight: InFlight | None = None  # async_scheduling: samples not read yet
         self._late_partials: list[tuple] = []  # read by a drain outside step(): out next step
         self.weight_stage = WeightStage(self.model)  # its buffer is allocated on first use
+        self.residency = WeightsResidency(self.model)  # freed while asleep (release_weights)
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(
@@ -292,6 +294,8 @@ class DynamicInferenceEngine:
             raise RuntimeError("engine is closed")
         if self.suspended is not None:
             raise RuntimeError(f"engine is suspended ({self.suspended}); call resume() first")
+        if self.residency.missing:  # a forward over uninitialised memory: never
+            raise RuntimeError("the weights were discarded: update_weights() before stepping")
         out = StepOutput(finished=self._done, partials=self._late_partials)
         self._done, self._late_partials = [], []
         batch: ScheduledBatch = []
@@ -656,8 +660,22 @@ class DynamicInferenceEngine:
             return
         self.suspended = None
         self.kv.restore()
+        self.residency.restore()  # offloaded weights; discarded ones wait for an update
         for seq in self.scheduler.running:
             seq.request.status = Status.ACTIVE_AND_GENERATING_TOKENS
+
+    def release_weights(self, mode: str) -> dict:
+        """While suspended, free the weights too (vLLM's sleep: "offload" to host memory, back
+        on resume; "discard", back with the next update, which must carry the whole model;
+        rollout.engine.weights_residency). What happened and the bytes freed."""
+        if self.suspended is None:
+            raise RuntimeError("release_weights() needs a suspended engine: suspend() first")
+        if self.runner.graphs is not None:  # they hold the weights' addresses
+            self.runner.graphs.clear()
+        out = self.residency.release(mode)
+        if mode == "discard":  # the staging buffer holds a copy of some version too
+            out["weights_bytes_freed"] += self.weight_stage.release()
+        return out
 
     def wake(self) -> None:
         """No-op: an in-process step() never blocks waiting for work, so there is nothing to
@@ -688,7 +706,9 @@ class DynamicInferenceEngine:
         applied, and prefix-cache blocks from older weights are dropped.
         """
         targets = self._check_update(state_dict, version)
+        self.residency.check_covers(state_dict)
         self._drain()  # the in-flight tokens are the old version's
+        self.residency.materialize()
         with torch.no_grad():
             for name, t in state_dict.items():
                 targets[name].copy_(t)
@@ -701,7 +721,9 @@ class DynamicInferenceEngine:
         if staged is not self.weight_stage.staged or staged.version <= self.weight_version:
             raise ValueError(f"version {staged.version} is not the one staged for this engine "
                              f"(serving {self.weight_version})")  # fmt: skip
+        self.residency.check_covers(staged.tensors)
         self._drain()  # the in-flight tokens are the old version's
+        self.residency.materialize()  # a swap hands the old storage to the next stage
         self.weight_stage.flip(staged, swap=self.runner.graphs is None)
         self._after_update(staged.version)
 
@@ -709,6 +731,7 @@ class DynamicInferenceEngine:
         """New weights are in: stamp `version`, count the update against every in-flight
         request and apply the KV policy."""
         self.weight_version = version
+        self.residency.loaded()
         self.counters["weight_updates"] += 1
         recompute = self.config.kv_policy == "recompute"
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
@@ -738,38 +761,9 @@ class DynamicInferenceEngine:
         """The model's tensors `state_dict` loads into; ValueError naming every problem."""
         return check_update(self.model, state_dict, version, self.weight_version, "update_weights")
 
-    # -- introspection ------------------------------------------------------------------------
+    # -- introspection (rollout.engine.introspection) ------------------------------------------
     def load(self) -> dict[str, Any]:
-        seqs = list(self.scheduler.running) + list(self.scheduler.waiting)
-        return {
-            "waiting": len(self.scheduler.waiting),
-            "running": len(self.scheduler.running),
-            "kv_usage": self.blocks.num_used / self.kv.num_blocks,
-            "outstanding_tokens": sum(
-                s.num_uncomputed + s.request.remaining_tokens_to_generate for s in seqs
-            ),
-        }
+        return introspection.load(self)
 
     def stats(self) -> dict[str, Any]:
-        b = self.blocks.stats
-        out = dict(self.counters)
-        out.update(
-            weight_version=self.weight_version,
-            tokens_computed=b.tokens_computed,
-            tokens_reused=b.tokens_reused,
-            prefix_cache_queries=b.cache_queries,
-            prefix_cache_hits=b.cache_hits,
-            prefix_cache_collisions=b.collisions,
-            blocks_allocated=b.blocks_allocated,
-            blocks_freed=b.blocks_freed,
-            blocks_evicted=b.blocks_evicted,
-            blocks_dropped=b.blocks_dropped,
-            evictions=self.scheduler.num_evictions,
-            num_blocks=self.kv.num_blocks,
-            kv_cache_bytes=self.kv.nbytes,
-            suspended=self.suspended,
-        )
-        if self.runner.graphs is not None:
-            out.update({f"decode_graph_{k}": v for k, v in self.runner.graphs.counters.items()})
-        out.update(self.load())
-        return out
+        return introspection.stats(self)

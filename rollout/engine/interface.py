@@ -86,7 +86,15 @@ class EngineProtocol(Protocol):
         """Free the KV memory ("persist", "offload" or "recompute"); returns bytes freed."""
         ...
 
-    def resume(self) -> None: ...
+    def resume(self) -> None:
+        """Serve again: the KV pool back, and weights offloaded by release_weights."""
+        ...
+
+    def release_weights(self, mode: str) -> dict:
+        """While suspended, free the weights too: "offload" (to host memory, back on resume) or
+        "discard" (back with the next update_weights; nothing is computed until then).
+        Returns {"weights": what happened, "weights_bytes_freed": bytes the device got back}."""
+        ...
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Swap to new weights (all-or-nothing) and account staleness of in-flight requests."""

@@ -105,6 +105,14 @@ class WeightStage:
                              for n, t in targets.items()}  # fmt: skip
         return self._buffers
 
+    def release(self) -> int:
+        """Free the buffer (the engine's weights were discarded); its bytes. Reallocated by the
+        next stage."""
+        with self.lock:
+            freed = sum(b.untyped_storage().nbytes() for b in (self._buffers or {}).values())
+            self._buffers, self.staged = None, None
+        return freed
+
     def flip(self, staged: Staged, swap: bool) -> None:
         """Make the model's tensors hold `staged` (swap storage, or copy when `swap` is off);
         tied names share one tensor, which flips once."""

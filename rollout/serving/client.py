@@ -371,8 +371,10 @@ class InferenceClient:
     def unpause_engines(self) -> asyncio.Future:
         return self._control(Headers.UNPAUSE)
 
-    def suspend_engines(self, mode: str = "offload") -> asyncio.Future:
-        return self._control(Headers.SUSPEND, mode)
+    def suspend_engines(self, mode: str = "offload", weights: str = "keep") -> asyncio.Future:
+        """`mode`: the KV pool (rollout.protocol.SUSPEND_MODES); `weights`: keep, offload
+        (host memory, back on resume) or discard (back with the next weight update)."""
+        return self._control(Headers.SUSPEND, mode, weights)
 
     def resume_engines(self) -> asyncio.Future:
         return self._control(Headers.RESUME)

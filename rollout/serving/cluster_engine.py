@@ -154,6 +154,15 @@ class ClusterEngine:
         infos = self.cluster.call(lambda: client.suspend_engines(mode))
         return sum(int(i.get("bytes_freed", 0)) for i in infos.values())
 
+    def release_weights(self, mode: str) -> dict:
+        """Every engine frees its weights (a SUSPEND that keeps the KV as it is)."""
+        client = self.cluster.client
+        self.cluster.call(lambda: client.pause_engines())
+        infos = self.cluster.call(lambda: client.suspend_engines("persist", weights=mode))
+        freed = sum(int(i.get("weights_bytes_freed", 0)) for i in infos.values())
+        return {"weights": {r: i.get("weights") for r, i in infos.items()},
+                "weights_bytes_freed": freed}  # fmt: skip
+
     def resume(self) -> None:
         client = self.cluster.client
         self.cluster.call(lambda: client.resume_engines())

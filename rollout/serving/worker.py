@@ -126,6 +126,9 @@ class EngineWorker:
         self.heartbeat_s = 1.0
         self.paused = False
         self.suspended: str | None = None
+        # its weights were discarded (SUSPEND weights="discard"): it computes nothing, and its
+        # requests stay held, until a weight update has landed
+        self.awaiting_weights = False
         self.weight_version = engine.weight_version
         self.max_frame_bytes = MAX_FRAME_BYTES  # the coordinator's, from its registration ack
         self.active: set[int] = set()  # request ids the coordinator believes we own
@@ -219,14 +222,15 @@ class EngineWorker:
             self.register()
             self.running = True
             while self.running:
-                busy = not self.paused and self.engine.has_unfinished_requests()
+                held = self.paused or self.suspended is not None or self.awaiting_weights
+                busy = not held and self.engine.has_unfinished_requests()
                 now = time.monotonic()
                 wait_ms = 0 if busy else max(0, int((self._next_hb - now) * 1000)) + 1
                 if self.sock.poll(wait_ms):
                     self._drain()
                 if not self.running:
                     break
-                idle = self.paused or self.suspended is not None
+                idle = self.paused or self.suspended is not None or self.awaiting_weights
                 if not idle and self.engine.has_unfinished_requests():
                     self._step()
                 self._heartbeat()
@@ -370,12 +374,16 @@ class EngineWorker:
             if self.suspended is None:
                 info["bytes_freed"] = int(self.engine.suspend(fields[1]))
                 self.suspended = fields[1]
+            if fields[2] != "keep":
+                info.update(self._release_weights(fields[2]))
         elif header is Headers.RESUME:
             if self.suspended is not None:
                 self.engine.resume()
                 self.suspended = None
         elif header is Headers.SET_WEIGHT_VERSION and self._join_sync(fields[2]):
             info = self._receive_weights(fields[1], fields[2])
+            if self.engine.weight_version != self.weight_version:  # applied: whole weights again
+                self.awaiting_weights = False
             self.weight_version = self.engine.weight_version
         elif header is Headers.SET_WEIGHT_VERSION:
             self.weight_version = fields[1]
@@ -384,6 +392,16 @@ class EngineWorker:
             self.running = False
         self.counters["acks"] += 1
         self._send(Headers.CONTROL_ACK, seq, int(header), info)
+
+    def _release_weights(self, mode: str) -> dict:
+        """SUSPEND's weights: offload or discard them (a refusal is reported in the ack)."""
+        try:
+            out = self.engine.release_weights(mode)
+        except (RuntimeError, ValueError) as e:
+            log.warning("engine rank %d kept its weights: %s", self.rank, e)
+            return {"weights": "resident", "weights_error": str(e), "weights_bytes_freed": 0}
+        self.awaiting_weights = self.awaiting_weights or out.get("weights") == "discarded"
+        return out
 
     def _join_sync(self, rendezvous: dict | None) -> bool:
         """True when this engine takes part in weight sync: started with it, or joining now
@@ -439,7 +457,8 @@ class EngineWorker:
         """A staged update: the flip when it is handed over, else one step (False: idle)."""
         if flips.run_pending():
             return True
-        if self.paused or self.suspended is not None or not self.engine.has_unfinished_requests():
+        held = self.paused or self.suspended is not None or self.awaiting_weights
+        if held or not self.engine.has_unfinished_requests():
             return False
         self._step()
         self.counters["steps_while_receiving"] += 1

@@ -85,8 +85,11 @@ def test_remote_inference_client_drives_rollout_serve(tmp_path):
                                                "sampling_params": sampling,
                                                "cache_salt": str(client.weight_version)})  # fmt: skip
             # colocated sync: sleep -> wake weights -> wake KV; and a cache reset
-            await client.sleep(level=2)
+            await client.sleep(level=2)  # the weights are discarded: the same folder again
             await client.wake_up(tags=["weights"])
+            async with httpx.AsyncClient(base_url=url, timeout=120) as h:
+                r = await h.post("/update_weights", json={"weight_dir": str(folder)})
+                assert r.status_code == 200, r.text
             await client.wake_up(tags=["kv_cache"])
             await client.reset_prefix_cache(reset_running_requests=True)
             await client.pause(mode="abort")

@@ -30,6 +30,7 @@ import zmq
 from rollout.protocol import (
     CONTROL_HEADERS,
     SUSPEND_MODES,
+    WEIGHT_MODES,
     Headers,
     ProtocolError,
     decode,
@@ -331,12 +332,15 @@ class DataParallelInferenceCoordinator:
 
     def _control(self, client: ClientPeer, fields: list, header: Headers) -> None:
         cid = fields[0]
-        if header is Headers.SUSPEND and fields[1] not in SUSPEND_MODES:
+        if header is Headers.SUSPEND and (
+            fields[1] not in SUSPEND_MODES or fields[2] not in WEIGHT_MODES
+        ):
             self._error(
                 client.identity,
                 header,
                 cid,
-                f"SUSPEND mode must be one of {SUSPEND_MODES}, got {fields[1]!r}",
+                f"SUSPEND mode must be one of {SUSPEND_MODES} and weights one of "
+                f"{WEIGHT_MODES}, got {fields[1]!r}, {fields[2]!r}",
             )
             return
         try:

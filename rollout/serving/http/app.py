@@ -294,6 +294,7 @@ async def _stats(be: Backend) -> dict | None:
 
 
 async def _check_wait(be: Backend, req: Any, request: Request) -> None:
+    be.control.check_weights()  # discarded weights: a 409 now, not a request held for ever
     if req.wait and request.headers.get(NO_WAIT_HEADER, "") not in ("1", "true"):
         await be.control.admitted()  # a pause(wait) drains: new requests wait here
         return

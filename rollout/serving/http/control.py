@@ -7,9 +7,16 @@ acked) and the trainer's weight path:
 - pause: `keep` holds requests in the engines (PAUSE; they carry across the next update with
   exact staleness); `abort` and `wait` hold new requests here while those in flight are aborted
   (their callers get what was generated, finish_reason "abort") or finish, then pause;
-- sleep: pause, then SUSPEND with the KV pool offloaded to host memory (level 1) or dropped,
-  its requests re-prefilled on wake (level 2). Weights stay resident: an update replaces them in
-  place, so a colocated trainer's "wake weights, load, wake KV" sequence works unchanged;
+- sleep (vLLM's levels; `tags` picks weights and/or kv_cache, default both): pause, then SUSPEND
+  with the KV pool offloaded to host memory (level 1) or dropped, its requests re-prefilled on
+  wake (level 2), and the weights offloaded to host memory (level 1; a CPU engine's are there
+  already: nothing moves) or discarded (level 2; rollout.engine.weights_residency). Discarded
+  weights come back only with the next weight update: until one has landed no engine computes,
+  requests already admitted stay held (their tokens are never computed on freed memory), and a
+  new request is refused with 409 `weights_discarded`. `wake_up(kv_cache)` (or no tags) is
+  RESUME, which also brings offloaded weights back; `wake_up(weights)` alone changes nothing in
+  the engines (the update allocates and fills the weights), so a colocated trainer's "sleep 2,
+  wake weights, update, wake KV" works as in vLLM;
 - reset of the prefix cache: SUSPEND(recompute) then RESUME (drops every cached block; running
   requests re-prefill under the same weights, so their tokens do not change);
 - weights from a folder or from a trainer's process group: read and checked here against the
@@ -38,6 +45,7 @@ log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("keep", "abort", "wait")
 SLEEP_MODES = {1: "offload", 2: "recompute"}  # vLLM sleep level -> our SUSPEND mode
+WEIGHT_SLEEP = {1: "offload", 2: "discard"}  # vLLM sleep level -> SUSPEND's weights
 TAGS = ("weights", "kv_cache")
 ABORT_WAIT_S = 60.0  # aborted requests answer within a step; bounded all the same
 
@@ -51,6 +59,7 @@ class Control:
         self.address, self.auth_token, self.model_source = address, auth_token, model_source
         self.paused = False  # by a caller: /pause, /pause_generation, ...
         self.sleeping = 0  # the sleep level while asleep
+        self.weights_missing = False  # discarded by sleep(level=2) and not updated since
         self.draining = False  # pause(wait): new requests wait here
         self._admit = asyncio.Event()
         self._admit.set()
@@ -66,6 +75,14 @@ class Control:
     async def admitted(self) -> None:
         """Returns once new requests may go to the engines (at once unless pause(wait) drains)."""
         await self._admit.wait()
+
+    def check_weights(self) -> None:
+        """409 for a new request while awake with discarded weights (asleep, it is held)."""
+        if self.weights_missing and not self.sleeping:
+            raise APIError(409, "the weights were discarded by /sleep level 2 and no weight "
+                                "update has arrived since: load weights (POST /update_weights "
+                                "{\"weight_dir\"}, /update_weights_from_disk, a weight group) "
+                                "before generating", code="weights_discarded")  # fmt: skip
 
     def _in_flight(self) -> list[asyncio.Future]:
         return self.be.client.in_flight()
@@ -107,19 +124,28 @@ class Control:
     # ---- sleep / wake -----------------------------------------------------------------------
 
     async def sleep(self, level: int = 1, tags: list[str] | None = None) -> dict:
+        """Free what `tags` names (default both) per `level`; the bytes each part freed."""
         if level not in SLEEP_MODES:
             raise bad_request(f"level must be one of {sorted(SLEEP_MODES)}, got {level!r}", "level")
         check_tags(tags)
+        kv = SLEEP_MODES[level] if tags is None or "kv_cache" in tags else "persist"
+        weights = WEIGHT_SLEEP[level] if tags is None or "weights" in tags else "keep"
         async with self.lock:
             await self._ack(self.be.client.pause_engines())
-            acks = await self._ack(self.be.client.suspend_engines(SLEEP_MODES[level]))
+            acks = await self._ack(self.be.client.suspend_engines(kv, weights))
             self.sleeping = self.sleeping or level
-        freed = sum(int(a.get("bytes_freed", 0)) for a in acks.values() if isinstance(a, dict))
-        return {"level": level, "kv_cache_bytes_freed": freed, "weights": "resident"}
+            infos = [a for a in acks.values() if isinstance(a, dict)]
+            states = sorted({str(a.get("weights", "resident")) for a in infos})
+            self.weights_missing = self.weights_missing or "discarded" in states
+        return {"level": level,
+                "kv_cache_bytes_freed": sum(int(a.get("bytes_freed", 0)) for a in infos),
+                "weights_bytes_freed": sum(int(a.get("weights_bytes_freed", 0)) for a in infos),
+                "weights": states[0] if len(states) == 1 else states}  # fmt: skip
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
-        """tags None or with "kv_cache": serve again (unless paused by a caller); ["weights"]
-        alone: nothing to do, they stayed resident."""
+        """tags None or with "kv_cache": serve again (unless paused by a caller), offloaded
+        weights back too; ["weights"] alone: nothing to do in the engines (discarded weights
+        come back with the next update, which allocates them; the module docstring)."""
         check_tags(tags)
         if tags is not None and "kv_cache" not in tags:
             return
@@ -185,6 +211,7 @@ class Control:
                                     f"still serves its previous version: {e}", "server_error",
                                code="weight_update_failed") from None  # fmt: skip
             self.updates += 1
+            self.weights_missing = False  # every engine applied a whole model
             return version
 
     async def _model_shapes(self) -> Any:

@@ -260,9 +260,8 @@ def sglang_router(check_wait: Callable, submit: Callable, wait_or_abort: Callabl
     @router.post("/release_memory_occupation")
     async def release_memory_occupation(request: Request) -> dict:
         body = await json_body(request)
-        _tags(body)
-        out = await request.app.state.backend.control.sleep(2)
-        return {"success": True, "message": "KV cache released; weights stay resident", **out}
+        out = await request.app.state.backend.control.sleep(2, _tags(body))
+        return {"success": True, "message": f"released; weights: {out['weights']}", **out}
 
     @router.post("/resume_memory_occupation")
     async def resume_memory_occupation(request: Request) -> dict:
