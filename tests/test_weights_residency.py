@@ -51,7 +51,8 @@ def test_discard_frees_every_weight_byte_and_holds_until_an_update():
     assert eng.stats()["weights"] == "resident" and _bytes(model) == size
     _run(eng, [rec.request_id])
     req = rec.merge()
-    before = [t for t, v in zip(req.generated_tokens, req.generated_weight_versions) if v == 0]
+    pairs = zip(req.generated_tokens, req.generated_weight_versions, strict=True)
+    before = [t for t, v in pairs if v == 0]
     assert len(req.generated_tokens) == 12 and 0 < len(before) < 12
     want = greedy(new, p + before, 12 - len(before))  # the rest: the new weights' own tokens
     assert req.generated_tokens[len(before) :] == want
