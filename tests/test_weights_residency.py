@@ -9,6 +9,7 @@ import pytest
 import torch
 from reference import greedy, prompts_of, tiny_model
 
+from rollout.engine import weights_residency as residency
 from rollout.engine.weights_residency import HOST_NOTE, WeightsResidency
 from tests.test_engine import GREEDY, engine
 
@@ -85,6 +86,23 @@ def test_offload_on_cpu_moves_nothing():
     assert eng.release_weights("offload") == {"weights": HOST_NOTE, "weights_bytes_freed": 0}
     eng.resume()
     assert eng.generate([p], GREEDY)[0].generated_tokens == greedy(model, p, 8)
+
+
+def test_offload_copies_out_and_back_where_the_device_is_not_the_host(monkeypatch):
+    """The CUDA path's logic on CPU memory: each storage goes to a host copy, its device
+    memory is freed, and resume brings back the same bytes (the weights serve unchanged)."""
+    monkeypatch.setattr(residency, "on_host", lambda model: False)
+    model = tiny_model(seed=0)
+    eng = engine(model, block_size=4)
+    (p,) = prompts_of([6], seed=8)
+    size = _bytes(model)
+    eng.suspend("offload")
+    assert eng.release_weights("offload") == {"weights": "offloaded", "weights_bytes_freed": size}
+    assert eng.release_weights("offload")["weights_bytes_freed"] == 0  # idempotent
+    assert all(t.untyped_storage().nbytes() == 0 for t in model.state_dict().values())
+    eng.resume()
+    assert eng.stats()["weights"] == "resident" and _bytes(model) == size
+    assert eng.generate([p], GREEDY)[0].generated_tokens == greedy(tiny_model(seed=0), p, 8)
 
 
 def test_an_update_after_a_discard_must_rebuild_every_storage():

@@ -29,6 +29,11 @@ WEIGHT_MODES = ("keep", "offload", "discard")  # SUSPEND's `weights`: what happe
 HOST_NOTE = "in host memory already (a CPU engine): nothing moved"
 
 
+def on_host(model: nn.Module) -> bool:
+    """The weights already live in host memory (a CPU engine): offloading moves nothing."""
+    return next(model.parameters()).device.type == "cpu"
+
+
 class WeightsResidency:
     """Where the weights of `model` are: resident, offloaded to host, or discarded."""
 
@@ -65,8 +70,7 @@ class WeightsResidency:
         the device got back. A second release only deepens it (offloaded -> discarded)."""
         if mode not in WEIGHT_MODES[1:]:
             raise ValueError(f"weights must be one of {WEIGHT_MODES[1:]}, got {mode!r}")
-        device = next(self.model.parameters()).device
-        if mode == "offload" and device.type == "cpu":
+        if mode == "offload" and on_host(self.model):
             return {"weights": HOST_NOTE, "weights_bytes_freed": 0}
         if self.state == "discarded" or (self.state == "offloaded" and mode == "offload"):
             return {"weights": self.state, "weights_bytes_freed": 0}
