@@ -74,7 +74,7 @@ async def test_control_lifecycle_acked_and_invalid_transitions(harness):
         await client.unpause_engines()
     with pytest.raises(ControlError, match="SUSPEND mode must be one of"):
         await client.suspend_engines("bogus")
-    with pytest.raises(ControlError, match="weights one of .* got 'offload', 'gone'"):
+    with pytest.raises(ControlError, match=r"weights one of .* got 'offload', 'gone'"):
         await client.suspend_engines("offload", weights="gone")
     info = await client.suspend_engines("offload", weights="discard")  # a second SUSPEND: the
     assert all(v["weights_bytes_freed"] == 0 for v in info.values())  # weights go too
