@@ -228,7 +228,7 @@ class DeltaSync:
             offload = kwargs.get("offload_kv", True)
             if not isinstance(offload, bool):
                 raise bad_request("kwargs.offload_kv must be a boolean", "kwargs.offload_kv")
-            await self.ctl.sleep(1 if offload else 2)
+            await self.ctl.sleep(1 if offload else 2, ["kv_cache"])  # room for the update
         elif method == "skyrl_wake_for_weight_sync":
             tags = kwargs.get("tags")
             if tags is not None and not (isinstance(tags, list) and
