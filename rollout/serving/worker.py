@@ -222,20 +222,23 @@ class EngineWorker:
             self.register()
             self.running = True
             while self.running:
-                held = self.paused or self.suspended is not None or self.awaiting_weights
-                busy = not held and self.engine.has_unfinished_requests()
+                busy = not self.held and self.engine.has_unfinished_requests()
                 now = time.monotonic()
                 wait_ms = 0 if busy else max(0, int((self._next_hb - now) * 1000)) + 1
                 if self.sock.poll(wait_ms):
                     self._drain()
                 if not self.running:
                     break
-                idle = self.paused or self.suspended is not None or self.awaiting_weights
-                if not idle and self.engine.has_unfinished_requests():
+                if not self.held and self.engine.has_unfinished_requests():
                     self._step()
                 self._heartbeat()
         finally:
             self.close()
+
+    @property
+    def held(self) -> bool:
+        """No step may run: paused, suspended, or waiting for weights it discarded."""
+        return self.paused or self.suspended is not None or self.awaiting_weights
 
     def close(self) -> None:
         if self.sync is not None:
@@ -457,8 +460,7 @@ class EngineWorker:
         """A staged update: the flip when it is handed over, else one step (False: idle)."""
         if flips.run_pending():
             return True
-        held = self.paused or self.suspended is not None or self.awaiting_weights
-        if held or not self.engine.has_unfinished_requests():
+        if self.held or not self.engine.has_unfinished_requests():
             return False
         self._step()
         self.counters["steps_while_receiving"] += 1
