@@ -55,7 +55,7 @@ def test_skyrl_colocated_order_frees_the_weights_and_holds_requests(client, tmp_
     old = tiny_model(seed=0) if before == 0 else None
     folder, new = _folder(tmp_path, 31)
     prompt = [5, 6, 7, 8]
-    body = {"prompt": prompt, "max_tokens": 30, "temperature": 0, "ignore_eos": True,
+    body = {"prompt": prompt, "max_tokens": 60, "temperature": 0, "ignore_eos": True,
             "stream": True}  # fmt: skip
     with client.stream("POST", "/v1/completions", json=body) as r:
         lines = r.iter_lines()
@@ -79,12 +79,12 @@ def test_skyrl_colocated_order_frees_the_weights_and_holds_requests(client, tmp_
         assert client.get("/is_sleeping").json() == {"is_sleeping": False}
         assert client.post("/resume").status_code == 200  # the caller's pause(keep)
         tokens, versions = _chunks(first + list(lines))
-    assert len(tokens) == 30  # held across the sleep: nothing lost or repeated
+    assert len(tokens) == 60  # held across the sleep: nothing lost or repeated
     n_old = versions.count(before)
-    assert 0 < n_old < 30 and versions == [before] * n_old + [before + 1] * (30 - n_old)
+    assert 0 < n_old < 60 and versions == [before] * n_old + [before + 1] * (60 - n_old)
     if old is not None:
         assert tokens[:n_old] == greedy(old, prompt, n_old)
-    assert tokens[n_old:] == greedy(new, prompt + tokens[:n_old], 30 - n_old)
+    assert tokens[n_old:] == greedy(new, prompt + tokens[:n_old], 60 - n_old)
     fresh = client.post("/v1/completions", json={"prompt": [9, 1, 9], "max_tokens": 6,
                                                  "temperature": 0}).json()  # fmt: skip
     assert fresh["choices"][0]["token_ids"] == greedy(new, [9, 1, 9], 6)
@@ -102,6 +102,38 @@ def test_woken_without_weights_refuses_then_serves_the_update(client, tmp_path):
                                                "temperature": 0}).json()  # fmt: skip
     assert out["choices"][0]["token_ids"] == greedy(new, [3, 3, 4], 5)
     assert out["choices"][0]["weight_versions"] == [before + 1] * 5
+
+
+def test_a_held_request_waits_through_a_wake_without_weights(client, tmp_path):
+    """Woken (KV and all) and resumed before the update: the held request computes nothing on
+    the freed memory; it goes on once the update lands, every later token the new weights'."""
+    folder_a, old = _folder(tmp_path, 33)
+    folder_b, new = _folder(tmp_path, 34)
+    assert client.post("/update_weights", json={"weight_dir": folder_a}).status_code == 200
+    v = _version(client)
+    prompt = [2, 7, 1, 8]
+    body = {"prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        first = []
+        for line in lines:
+            if line.startswith("data: {"):
+                first.append(line)
+                break
+        assert client.post("/pause", params={"mode": "keep"}).status_code == 200
+        assert client.post("/sleep", params={"level": 2}).json()["weights"] == "discarded"
+        assert client.post("/wake_up").status_code == 200
+        assert client.post("/resume").status_code == 200  # awake, unpaused, still no weights
+        assert (
+            client.post("/v1/completions", json={"prompt": [1], "max_tokens": 1}).status_code == 409
+        )
+        assert client.post("/update_weights", json={"weight_dir": folder_b}).status_code == 200
+        tokens, versions = _chunks(first + list(lines))
+    n_old = versions.count(v)
+    assert len(tokens) == 20 and versions == [v] * n_old + [v + 1] * (20 - n_old)
+    assert tokens[:n_old] == greedy(old, prompt, n_old)
+    assert tokens[n_old:] == greedy(new, prompt + tokens[:n_old], 20 - n_old)
 
 
 def test_level_one_on_cpu_moves_no_weights(client):
