@@ -27,7 +27,8 @@ from rollout.engine.cuda_graphs import DecodeGraphs
 from rollout.engine.engine import DynamicInferenceEngine
 from rollout.models import from_transformers
 from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord
-from rollout.rl.manager import RolloutManager, RolloutManagerConfig
+from rollout.rl.manager import RolloutManager
+from rollout.rl.manager_config import RolloutManagerConfig
 from rollout.rl.samples import Sample, collate
 from rollout.tokenizers import ByteTokenizer
 from trainer_hooks.routing_replay import moe_routers, replay_routing

@@ -306,7 +306,8 @@ def test_restart_limit_reached_leaves_the_rank_down_and_the_rest_serving():
 
 
 def test_rollout_manager_dp2_engine_killed_mid_generation_is_restarted_with_current_weights():
-    from rollout.rl.manager import RolloutManager, RolloutManagerConfig
+    from rollout.rl.manager import RolloutManager
+    from rollout.rl.manager_config import RolloutManagerConfig
 
     model = tiny_model(seed=3)
     m = RolloutManager(
