@@ -54,7 +54,10 @@ def test_rl_frameworks_section():
     (HOST:8000 -> the server) drives that framework's first calls."""
     serve_cmd = readme_command("test_rl_frameworks_section", "rollout serve")
     argv, env = argv_of(serve_cmd, DIR="tiny", **{"8000": "0"})
-    skyrl, areal, prime, slime = section_text_blocks(RL_FRAMEWORKS)
+    skyrl, skyrl_delta, areal, prime, slime = section_text_blocks(RL_FRAMEWORKS)
+    assert (
+        "weight_sync_backend=delta" in skyrl_delta
+    )  # its routes: tests/test_skyrl_delta_routes.py
     with Proc(argv, env) as serve:
         url = serve.read_until(r"^http (http://\S+)")[1]
         hostport = url.removeprefix("http://")
