@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import platform
 import statistics
 import sys
@@ -28,6 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.plots import save, side_by_side  # noqa: E402
 from rollout.models import build_model  # noqa: E402
 from rollout.models.config import ModelConfig  # noqa: E402
 from trainer_hooks.batch_invariant import enabled  # noqa: E402
@@ -84,34 +84,22 @@ def main() -> None:
             results["runs"].append(row)
             print(f"{name:32s} {b:4d} x {t:4d}: plain {row['plain_s'] * 1e3:8.1f} ms, "
                   f"invariant {row['invariant_s'] * 1e3:8.1f} ms, x{row['ratio']:.2f}")  # fmt: skip
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / "batch_invariant_trainer"
-    out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, out.with_suffix(".png"))
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    save(results, RESULTS / "batch_invariant_trainer", plot)
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     runs = results["runs"]
-    labels = [f"{r['model']}\n{r['batch']} x {r['tokens']}" for r in runs]
-    x = range(len(runs))
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    ax.bar([i - 0.2 for i in x], [r["plain_s"] * 1e3 for r in runs], 0.4, label="plain")
-    ax.bar([i + 0.2 for i in x], [r["invariant_s"] * 1e3 for r in runs], 0.4,
-           label="enabled() (batch-invariant)")  # fmt: skip
-    for i, r in enumerate(runs):
-        ax.text(i + 0.2, r["invariant_s"] * 1e3, f"x{r['ratio']:.1f}", ha="center", va="bottom")
-    ax.set_xticks(list(x), labels, fontsize=8)
-    ax.set_ylabel("forward + backward + log-probs (ms, median)")
-    ax.set_title(f"Trainer step, plain vs batch-invariant ({results['threads']} threads)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    side_by_side(
+        path,
+        [f"{r['model']}\n{r['batch']} x {r['tokens']}" for r in runs],
+        ("plain", [r["plain_s"] * 1e3 for r in runs]),
+        ("enabled() (batch-invariant)", [r["invariant_s"] * 1e3 for r in runs]),
+        [f"x{r['ratio']:.1f}" for r in runs],
+        ylabel="forward + backward + log-probs (ms, median)",
+        title=f"Trainer step, plain vs batch-invariant ({results['threads']} threads)",
+        figsize=(9, 4.5),
+        fontsize=8,
+    )
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.plots import save, side_by_side  # noqa: E402
 from rollout.engine import DynamicInferenceEngine, InferenceConfig  # noqa: E402
 from rollout.models import ModelConfig, build_model  # noqa: E402
 from rollout.models.loader import save_pretrained  # noqa: E402
@@ -186,46 +187,29 @@ def main() -> None:
                   f"hf {theirs['tokens_per_s']:8.1f} tok/s  x{row['speedup']:.2f} wall  "
                   f"x{row['speedup_cpu']:.2f} cpu", flush=True)  # fmt: skip
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     if args.append and out.with_suffix(".json").exists():
         previous = json.loads(out.with_suffix(".json").read_text())
         keep = [r for r in previous["runs"] if (r["model"], r["workload"]) not in
                 {(n["model"], n["workload"]) for n in results["runs"]}]  # fmt: skip
         results["runs"] = sorted(keep + results["runs"], key=lambda r: (r["params"], r["workload"]))
-    out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, out.with_suffix(".png"))
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    save(results, out, plot)
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     runs = results["runs"]
-    labels = [f"{r['model']}\n{r['workload']}" for r in runs]
-    x = range(len(runs))
-    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(runs)), 4))
-    ax.bar(
-        [i - 0.2 for i in x], [r["ours"]["tokens_per_s"] for r in runs], 0.4, label="rollout engine"
+    notes = [f"x{r['speedup']:.1f}" + (f" (cpu x{r['speedup_cpu']:.1f})" if "speedup_cpu" in r else "")
+             for r in runs]  # fmt: skip
+    side_by_side(
+        path,
+        [f"{r['model']}\n{r['workload']}" for r in runs],
+        ("rollout engine", [r["ours"]["tokens_per_s"] for r in runs]),
+        ("HF generate()", [r["hf"]["tokens_per_s"] for r in runs]),
+        notes,
+        ylabel="generated tokens / s",
+        title=f"engine vs transformers generate ({results['device']}, {results['dtype']}, "
+        f"{results['new_tokens']} new tokens)",
+        figsize=(max(6, 2.2 * len(runs)), 4),
     )
-    ax.bar(
-        [i + 0.2 for i in x], [r["hf"]["tokens_per_s"] for r in runs], 0.4, label="HF generate()"
-    )
-    for i, r in enumerate(runs):
-        label = f"x{r['speedup']:.1f}"
-        if "speedup_cpu" in r:
-            label += f" (cpu x{r['speedup_cpu']:.1f})"
-        ax.text(i, max(r["ours"]["tokens_per_s"], r["hf"]["tokens_per_s"]), label,
-                ha="center", va="bottom")  # fmt: skip
-    ax.set_xticks(list(x), labels)
-    ax.set_ylabel("generated tokens / s")
-    ax.set_title(f"engine vs transformers generate ({results['device']}, {results['dtype']}, "
-                 f"{results['new_tokens']} new tokens)")  # fmt: skip
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

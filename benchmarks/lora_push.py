@@ -16,7 +16,6 @@ Writes benchmarks/results/lora_push.json and .png.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -28,6 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.plots import save, side_by_side  # noqa: E402
 from rollout import LLM, InferenceConfig  # noqa: E402
 from rollout.weights.state import as_state_dict  # noqa: E402
 
@@ -107,34 +107,23 @@ def main() -> None:
                   f"({moved['full'] / 2**20:6.1f} MiB)  x{row['speedup']:.1f}", flush=True)  # fmt: skip
     finally:
         llm.shutdown()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, out.with_suffix(".png"))
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    save(results, Path(args.out), plot)
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     runs = results["runs"]
-    x = range(len(runs))
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar([i - 0.2 for i in x], [r["adapter_s"] * 1e3 for r in runs], 0.4,
-           label=f"adapter only ({results['adapter_bytes'] / 2**20:.1f} MiB)")  # fmt: skip
-    ax.bar([i + 0.2 for i in x], [r["full_s"] * 1e3 for r in runs], 0.4,
-           label=f"full weights ({results['full_bytes'] / 2**20:.0f} MiB)")  # fmt: skip
-    for i, r in enumerate(runs):
-        ax.text(i, r["full_s"] * 1e3, f"x{r['speedup']:.1f}", ha="center", va="bottom")
-    ax.set_xticks(list(x), [r["transport"] for r in runs])
-    ax.set_ylabel("update_weights wall time (ms, median)")
-    ax.set_title(f"LoRA push vs full push, dp={results['dp']}, r={results['lora_rank']}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    side_by_side(
+        path,
+        [r["transport"] for r in runs],
+        (f"adapter only ({results['adapter_bytes'] / 2**20:.1f} MiB)",
+         [r["adapter_s"] * 1e3 for r in runs]),
+        (f"full weights ({results['full_bytes'] / 2**20:.0f} MiB)",
+         [r["full_s"] * 1e3 for r in runs]),
+        [f"x{r['speedup']:.1f}" for r in runs],
+        ylabel="update_weights wall time (ms, median)",
+        title=f"LoRA push vs full push, dp={results['dp']}, r={results['lora_rank']}",
+        figsize=(6, 4),
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ Writes benchmarks/results/moe_vs_hf.json and .png.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import tempfile
@@ -28,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.engine_vs_hf import make_prompts, plot, run_hf, run_ours  # noqa: E402
+from benchmarks.plots import save  # noqa: E402
 from rollout.models import load_pretrained  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -93,11 +93,7 @@ def main() -> None:
         print(f"qwen3_moe {name:8s} ours {ours['tokens_per_s']:8.1f} tok/s  "
               f"hf {theirs['tokens_per_s']:8.1f} tok/s  x{row['speedup']:.2f} wall  "
               f"x{row['speedup_cpu']:.2f} cpu", flush=True)  # fmt: skip
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, out.with_suffix(".png"))
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    save(results, Path(args.out), plot)
 
 
 if __name__ == "__main__":

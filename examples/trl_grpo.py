@@ -25,7 +25,8 @@ from transformers import AutoTokenizer
 
 from rollout import InferenceConfig
 from rollout.models import load_pretrained
-from rollout.rl.manager import RolloutManager, RolloutManagerConfig
+from rollout.rl.manager import RolloutManager
+from rollout.rl.manager_config import RolloutManagerConfig
 from rollout.tokenizers import load_tokenizer
 from trainer_hooks.trl import TRLRollout
 

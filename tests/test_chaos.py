@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import zmq
+from near_tie import greedy_agrees
 from reference import tiny_model
 from test_coordinator_hostile import _empty_maps_frame, _trickle, _zmtp_dealer
 from test_engine_fault_isolation import error_of, padded_model
@@ -188,16 +189,17 @@ def _reply(s: zmq.Socket) -> tuple:
             return header, fields
 
 
-def _reference(model) -> list[list[int]]:
-    """The fault-free run: one in-process engine, the same weights."""
-    out = LLM(model, ByteTokenizer(), InferenceConfig(**ICFG)).generate(POOL, GREEDY)
-    return [r.generated_tokens for r in out]
+def _reference(model) -> list:
+    """The fault-free run: one in-process engine, the same weights; its records carry top-2
+    log-probs, as the cluster's greedy tokens agree up to the first near tie (near_tie.py)."""
+    sp = GREEDY.replace(top_n_logprobs=2)
+    return LLM(model, ByteTokenizer(), InferenceConfig(**ICFG)).generate(POOL, sp)
 
 
 class Chaos:
     """Runs a Plan against a cluster and checks each wave."""
 
-    def __init__(self, cluster: EngineCluster, plan: Plan, reference: list[list[int]]):
+    def __init__(self, cluster: EngineCluster, plan: Plan, reference: list):
         self.cluster, self.plan, self.reference = cluster, plan, reference
         self.client = cluster.client
         self.hostiles = Hostiles(cluster.address, cluster.auth_token, random.Random(plan.seed))
@@ -227,7 +229,7 @@ class Chaos:
             assert merged.status == Status.COMPLETED, self.msg(
                 f"wave {w}: {POOL[i]!r}: {_segments(rec)}"
             )
-            assert merged.generated_tokens == self.reference[i][:n], self.msg(
+            assert greedy_agrees(merged.generated_tokens, self.reference[i], n), self.msg(
                 f"wave {w}: {POOL[i]!r}, {n} tokens: {_segments(rec)}"
             )
         for k, name in enumerate(wave["poisons"], start=len(wave["healthy"])):
@@ -298,7 +300,9 @@ class Chaos:
         records = self.cluster.call(lambda: _gather(futs), 180)
         for i, rec in zip(idx, records, strict=True):
             assert not isinstance(rec, BaseException), self.msg(f"final {POOL[i]!r}: {rec!r}")
-            assert rec.merge().generated_tokens == self.reference[i], self.msg(f"final {i}")
+            assert greedy_agrees(rec.merge().generated_tokens, self.reference[i]), self.msg(
+                f"final {i}"
+            )
 
     def _assigned(self) -> dict[int, int]:
         return {r: e["assigned"] for r, e in self.cluster.stats()["engines"].items()}
@@ -326,7 +330,9 @@ def run_chaos(seed: int, num_waves: int, kills: int, stops: int) -> None:
     plan = Plan.make(seed, num_waves, kills, stops)
     model = padded_model()
     reference = _reference(model)
-    assert any(299 in r for r in reference), "the mix needs results past the tokenizer"
+    assert any(299 in r.generated_tokens for r in reference), (
+        "the mix needs results past the tokenizer"
+    )
     coordinator = {
         "heartbeat_s": 0.2,
         "engine_timeout_s": ENGINE_TIMEOUT_S,
@@ -382,7 +388,9 @@ def test_engine_stopped_past_the_timeout_leaves_nothing_stale(dp):
     (dp=2) or waited for this one to come back (dp=1); either way it completes exactly."""
     model = tiny_model(seed=3)
     sp = GREEDY.replace(num_tokens_to_generate=400)  # dp=2: the other engine is busy a while
-    ref = LLM(model, ByteTokenizer(), InferenceConfig(**ICFG)).generate([[1, 2, 3]], sp)[0]
+    ref = LLM(model, ByteTokenizer(), InferenceConfig(**ICFG)).generate(
+        [[1, 2, 3]], sp.replace(top_n_logprobs=2)
+    )[0]  # top-2: another engine's batches agree up to the first near tie (near_tie.py)
     cluster = EngineCluster(
         dp, model, tokenizer=ByteTokenizer(), inference_config=ICFG,
         coordinator={"heartbeat_s": 0.2, "engine_timeout_s": ENGINE_TIMEOUT_S},
@@ -400,9 +408,8 @@ def test_engine_stopped_past_the_timeout_leaves_nothing_stale(dp):
             os.kill(pid, signal.SIGCONT)
         got = cluster.call(lambda: fut, 120)
         record = got.merge()
-        assert (record.stop_reason, record.generated_tokens) == (
-            "length", ref.generated_tokens
-        ), _segments(got)  # fmt: skip
+        assert record.stop_reason == "length", _segments(got)
+        assert greedy_agrees(record.generated_tokens, ref), _segments(got)
         wait_for(lambda: holder in cluster.stats()["engines"], 30, "the holder back")
         assert cluster.engine_processes[holder].pid == pid  # the same process, re-registered
     finally:

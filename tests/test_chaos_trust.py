@@ -108,6 +108,7 @@ def test_chaos_replayed_committed_version_then_crashes_never_loop_an_engine():
     none given up), the restarted engine serves the current version, and every answer is the
     current version's greedy decode, stamped with it."""
     from fake_engine import wait_for
+    from near_tie import assert_greedy_agrees
     from reference import tiny_model
     from test_supervision import FAST, PROMPTS, SP, _gather, _greedy, _perturbed
 
@@ -140,7 +141,7 @@ def test_chaos_replayed_committed_version_then_crashes_never_loop_an_engine():
                          .get("weight_version") == v, 60, "the restarted engine")  # fmt: skip
             futs = cluster.call(lambda: [cluster.client.add_request(p, SP) for p in PROMPTS])
             out = cluster.call(lambda futs=futs: _gather(futs), 60)
-            assert [r.merge().generated_tokens for r in out] == _greedy(weights)
+            assert_greedy_agrees([r.merge().generated_tokens for r in out], _greedy(weights))
             assert all(set(r.merge().generated_weight_versions) == {version} for r in out)
         sup = cluster.supervision_stats()
         assert (sup["restarts"], sup["stale_restarts"], sup["gave_up"]) == (2, 0, [])

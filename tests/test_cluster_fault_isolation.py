@@ -6,6 +6,7 @@ the healthy ones, and no engine dies or restarts."""
 from __future__ import annotations
 
 import pytest
+from near_tie import assert_greedy_agrees
 from test_engine_fault_isolation import padded_model
 
 from rollout import LLM, InferenceConfig, SamplingParams
@@ -20,7 +21,10 @@ PROMPTS = [[1, 2, 3], [40, 41, 42, 43, 44], [7] * 19, [100, 90, 80, 70], [5, 6],
 def test_undecodable_results_leave_every_engine_serving():
     model = padded_model()
     cfg = InferenceConfig(num_blocks=64, max_requests=8)
-    expected = [r.generated_tokens for r in LLM(model, ByteTokenizer(), cfg).generate(PROMPTS, SP)]
+    # top-2 log-probs: the cluster batches otherwise, so its greedy tokens agree with these up to
+    # the first near tie (tests/near_tie.py)
+    direct = LLM(model, ByteTokenizer(), cfg).generate(PROMPTS, SP.replace(top_n_logprobs=2))
+    expected = [r.generated_tokens for r in direct]
     poisoned = [i for i, ids in enumerate(expected) if 299 in ids]
     assert poisoned and len(poisoned) < len(PROMPTS), "need poison mixed with healthy requests"
 
@@ -29,10 +33,10 @@ def test_undecodable_results_leave_every_engine_serving():
         pids = [p.pid for p in llm.cluster.engine_processes]
         for _ in range(2):  # every engine meets the poison (a dead one would be replaced)
             out = llm.generate(PROMPTS, SP)
-            assert [r.generated_tokens for r in out] == expected
-            for i, r in enumerate(out):
-                assert r.generated_text == ByteTokenizer().decode(expected[i])
-                assert ("\ufffd" in r.generated_text) or i not in poisoned
+            assert_greedy_agrees([r.generated_tokens for r in out], direct)
+            for r in out:
+                assert r.generated_text == ByteTokenizer().decode(r.generated_tokens)
+                assert ("\ufffd" in r.generated_text) or 299 not in r.generated_tokens
         assert all(p.is_alive() for p in llm.cluster.engine_processes)
         assert [p.pid for p in llm.cluster.engine_processes] == pids
         assert llm.cluster.supervision_stats()["restarts"] == 0

@@ -44,7 +44,7 @@ def _options():
 # What each option needs besides itself to make a valid run (cross-field checks).
 _EXTRA = {
     ("rollout", "async"): ["trainer.tis_cap=2.0"],
-    # engine=gpu asks for CUDA, a config error without it (tests/test_readme_commands.py).
+    # engine=gpu asks for CUDA, a config error without it (tests/readme/test_readme_growing.py).
     ("engine", "gpu"): [] if torch.cuda.is_available() else ["model.device=cpu"],
 }
 

@@ -18,7 +18,8 @@ from rollout.engine.interface import EngineLost
 from rollout.models import build_model
 from rollout.models.config import ModelConfig
 from rollout.rl.batch_health import BatchFailed
-from rollout.rl.manager import RolloutManager, RolloutManagerConfig
+from rollout.rl.manager import RolloutManager
+from rollout.rl.manager_config import RolloutManagerConfig
 from rollout.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from near_tie import agreeing_prefix
 from reference import greedy, prompts_of, tiny_model
 
 from rollout.config import schema
@@ -128,13 +129,13 @@ def test_hydra_engine_group_sets_the_backend():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_compiled_flex_on_cuda_equals_the_torch_backend():
     """Compiled kernels, CUDA graphs on, chunked prefill mixed with decodes, prefix hits and
-    shared prompts: the torch backend's greedy tokens on the same card, log-probs within 1e-3
-    (fp32; another kernel's summation order)."""
+    shared prompts: the torch backend's greedy tokens on the same card up to the first near tie
+    (tests/near_tie.py), log-probs within 1e-3 there (fp32; another kernel's summation order)."""
     model = tiny_model(num_key_value_heads=2).to("cuda")
     shared = prompts_of([40], seed=3)[0]
     prompts = [shared, *prompts_of([3, 150, 9]), shared, shared, [*shared, 7, 8]]
     sp = SamplingParams(temperature=0.0, num_tokens_to_generate=12, ignore_eos=True,
-                        return_log_probs=True)  # fmt: skip
+                        return_log_probs=True, top_n_logprobs=2)  # fmt: skip
     cfg = dict(CFG, block_size=16, num_blocks=64, max_sequence_length=256, max_tokens_per_step=64)
     results = {}
     for backend in ("flex", "torch"):
@@ -144,5 +145,6 @@ def test_compiled_flex_on_cuda_equals_the_torch_backend():
         assert eng.stats()["decode_graph_replays"] > 5 and eng.stats()["tokens_reused"] > 0
         assert eng.runner.attention_backend == backend  # no fallback from flex to torch
     for a, b in zip(results["flex"], results["torch"], strict=True):
-        assert a.generated_tokens == b.generated_tokens
-        assert a.generated_log_probs == pytest.approx(b.generated_log_probs, abs=1e-3)
+        n = agreeing_prefix(a, b)
+        assert a.generated_tokens[:n] == b.generated_tokens[:n]
+        assert a.generated_log_probs[:n] == pytest.approx(b.generated_log_probs[:n], abs=1e-3)

@@ -295,7 +295,8 @@ def test_weight_update_through_the_manager_lands_where_the_versions_say():
 
     from rollout import InferenceConfig
     from rollout.models import ModelConfig, build_model
-    from rollout.rl.manager import RolloutManager, RolloutManagerConfig
+    from rollout.rl.manager import RolloutManager
+    from rollout.rl.manager_config import RolloutManagerConfig
     from rollout.serving.http.app import build_app
     from rollout.tokenizers import ByteTokenizer
 

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from near_tie import assert_greedy_agrees
 from reference import tiny_model
 
 from rollout import LLM, AsyncLLM, InferenceConfig, SamplingParams
@@ -37,15 +38,17 @@ def llm(model):
 
 
 def _direct(model, prompts, sp=SP):
-    out = LLM(model, ByteTokenizer(), _icfg()).generate(prompts, sp)
-    return [r.generated_tokens for r in out]
+    """One in-process engine's records, with top-2 log-probs: the cluster batches otherwise,
+    so its greedy tokens agree up to the first near tie (tests/near_tie.py)."""
+    return LLM(model, ByteTokenizer(), _icfg()).generate(prompts, sp.replace(top_n_logprobs=2))
 
 
 def test_generate_matches_direct_mode_in_input_order(llm, model):
     out = llm.generate(PROMPTS, SP)
-    assert [r.generated_tokens for r in out] == _direct(model, PROMPTS)
-    single = llm.generate("hello", SP)
-    assert single.generated_tokens == out[0].generated_tokens
+    direct = _direct(model, PROMPTS)
+    assert_greedy_agrees([r.generated_tokens for r in out], direct)
+    single = llm.generate("hello", SP)  # alone, where out[0] was batched
+    assert_greedy_agrees([single.generated_tokens], direct[:1])
     assert llm.generate([], SP) == []
 
 
@@ -54,9 +57,8 @@ def test_lifecycle_is_acknowledged_and_generation_continues(llm, model):
     llm.suspend()
     llm.resume()
     llm.unpause()
-    assert [r.generated_tokens for r in llm.generate(PROMPTS[:1], SP)] == _direct(
-        model, PROMPTS[:1]
-    )
+    out = llm.generate(PROMPTS[:1], SP)
+    assert_greedy_agrees([r.generated_tokens for r in out], _direct(model, PROMPTS[:1]))
     assert len(llm.cluster.stats()["engines"]) == 2
 
 
@@ -81,7 +83,8 @@ def test_unencodable_prompt_fails_generate_at_once_and_service_goes_on(llm, mode
     assert str(outcome[0]).startswith("prompt 1: prompt is not valid UTF-8 text")
     client = llm.cluster.client
     assert llm.cluster.call(lambda: _settled(client), 30) == 0  # the aborted "hello" resolved
-    assert [r.generated_tokens for r in llm.generate(PROMPTS, SP)] == _direct(model, PROMPTS)
+    out = llm.generate(PROMPTS, SP)
+    assert_greedy_agrees([r.generated_tokens for r in out], _direct(model, PROMPTS))
 
 
 async def _settled(client) -> int:
@@ -100,7 +103,7 @@ def test_update_weights_reaches_every_engine(llm, model):
     acks = llm.update_weights(new, version=1)
     assert sorted(acks) == [0, 1] and {a["weight_version"] for a in acks.values()} == {1}
     out = llm.generate(PROMPTS, SP)
-    assert [r.generated_tokens for r in out] == _direct(new, PROMPTS)
+    assert_greedy_agrees([r.generated_tokens for r in out], _direct(new, PROMPTS))
     assert all(set(r.generated_weight_versions) == {1} for r in out)
 
 
@@ -119,9 +122,8 @@ def test_cluster_options_reach_the_engine_cluster(model):
         cluster = llm._cluster
         assert cluster.restart_policy.max_restarts == 0 and cluster.snapshot is None
         assert cluster.weight_sync_transport == "broadcast"
-        assert [r.generated_tokens for r in llm.generate(PROMPTS[:1], SP)] == _direct(
-            model, PROMPTS[:1]
-        )
+        out = llm.generate(PROMPTS[:1], SP)
+        assert_greedy_agrees([r.generated_tokens for r in out], _direct(model, PROMPTS[:1]))
     finally:
         llm.shutdown()
 
@@ -136,7 +138,7 @@ def test_async_llm_request_submitted_while_paused_completes_after_unpause(model)
             assert not done, "a request must wait while the engines are paused"
             await llm.unpause()
             result = await asyncio.wait_for(task, 60)
-            assert result.generated_tokens == _direct(model, PROMPTS[:1])[0]
+            assert_greedy_agrees([result.generated_tokens], _direct(model, PROMPTS[:1]))
         finally:
             procs = llm.cluster.processes
             await llm.shutdown()

@@ -245,7 +245,8 @@ def _error(record) -> str:
 
 
 def test_manager_refuses_processors_by_name_unless_allowed(model):
-    from rollout.rl.manager import RolloutManager, RolloutManagerConfig
+    from rollout.rl.manager import RolloutManager
+    from rollout.rl.manager_config import RolloutManagerConfig
 
     icfg = InferenceConfig(num_blocks=64)
     sp = SamplingParams(temperature=0.9, num_tokens_to_generate=6, ignore_eos=True, seed=2,

@@ -10,7 +10,8 @@ import torch
 
 from rollout import LLM, InferenceConfig, SamplingParams
 from rollout.engine import sampler
-from rollout.rl.manager import RolloutManager, RolloutManagerConfig
+from rollout.rl.manager import RolloutManager
+from rollout.rl.manager_config import RolloutManagerConfig
 from rollout.rl.samples import collate
 from rollout.sampling import logprobs_temperature
 from rollout.tokenizers import ByteTokenizer

@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from near_tie import assert_greedy_agrees
 
 from rollout.config import validate
 from rollout.config.builders import build_manager, build_model_and_tokenizer, inference_config
@@ -62,19 +63,21 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
             p.add_(0.02 * torch.randn(p.shape, generator=g))
 
 
-def _direct(ctx, model) -> list[list[int]]:
-    """Greedy tokens of an in-process engine holding `model`'s weights (the reference)."""
+def _direct(ctx, model) -> list:
+    """Greedy records of an in-process engine holding `model`'s weights (the reference), with
+    top-2 log-probs: the cluster batches otherwise, so its greedy tokens agree up to the first
+    near tie (tests/near_tie.py)."""
     engine = DynamicInferenceEngine(
         copy.deepcopy(model).eval(), ctx["tok"], inference_config(ctx["run"])
     )
-    return [r.generated_tokens for r in engine.generate(PROMPTS, GREEDY)]
+    return engine.generate(PROMPTS, GREEDY.replace(top_n_logprobs=2))
 
 
 def test_three_updates_identical_weights_and_greedy_equals_direct(ctx):
     m, trainer = ctx["manager"], ctx["trainer"]
     assert m.config.dp == 2 and m.config.mode == "async"
     before = m.generate(PROMPTS, n=1, sampling_params=GREEDY)
-    assert [s.completion_tokens for s in before] == _direct(ctx, trainer)
+    assert_greedy_agrees([s.completion_tokens for s in before], _direct(ctx, trainer))
     for step in range(3):
         _perturb(trainer, step)
         m.suspend()
@@ -92,8 +95,9 @@ def test_three_updates_identical_weights_and_greedy_equals_direct(ctx):
         assert all(s.token_versions == [version] * 6 for s in samples)
         assert all(s.policy_staleness == [0] * 6 for s in samples)
         tokens = [s.completion_tokens for s in samples[::2]]
-        assert tokens == [s.completion_tokens for s in samples[1::2]]  # greedy group agrees
-        assert tokens == _direct(ctx, trainer)
+        want = _direct(ctx, trainer)  # the greedy group agrees, up to a near tie
+        assert_greedy_agrees(tokens, want)
+        assert_greedy_agrees([s.completion_tokens for s in samples[1::2]], want)
 
 
 def test_no_token_from_another_version_after_ack(ctx):
@@ -151,12 +155,11 @@ def test_killed_transfer_leaves_old_version_serving(ctx):
     assert stats["engine/rank0/weight_version"] == stats["engine/rank1/weight_version"] == old
     samples = m.generate(PROMPTS, n=2, sampling_params=GREEDY)
     assert all(s.token_versions == [old] * 6 for s in samples)
-    assert [s.completion_tokens for s in samples[::2]] == good
+    assert_greedy_agrees([s.completion_tokens for s in samples[::2]], good)
     assert m.update_weights(nxt) == old + 1  # a fresh group: the next transfer works
     assert {a["checksum"] for a in m.engine.last_sync.values()} == {state_dict_checksum(nxt)}
-    assert [s.completion_tokens for s in m.generate(PROMPTS, sampling_params=GREEDY)] == _direct(
-        ctx, nxt
-    )
+    samples = m.generate(PROMPTS, sampling_params=GREEDY)
+    assert_greedy_agrees([s.completion_tokens for s in samples], _direct(ctx, nxt))
 
 
 def test_collect_groups_routed_together_and_closed_cleanly(ctx):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from near_tie import assert_matches_reference, top2_rows
 from proc_io import read_until, stop_all
 
 from rollout import LLM, InferenceConfig, SamplingParams
@@ -80,8 +81,9 @@ def save_hf(case: str, model, path) -> None:
     model.save_pretrained(path, max_shard_size=shard if shard is not None else "1GB")
 
 
-def hf_reference(model, prompt: list[int]) -> tuple[list[int], list[float]]:
-    """transformers' greedy tokens and their log-probs (from one forward over the sequence)."""
+def hf_reference(model, prompt: list[int]) -> tuple[list[int], list[float], list[dict]]:
+    """transformers' greedy tokens, their log-probs and each step's top-2 (for the near-tie rule:
+    another implementation's floats; tests/near_tie.py), from one forward over the sequence."""
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(
@@ -90,16 +92,19 @@ def hf_reference(model, prompt: list[int]) -> tuple[list[int], list[float]]:
         logits = model(out).logits.float().log_softmax(-1)[0]
     gen = out[0, len(prompt) :].tolist()
     lps = [logits[len(prompt) - 1 + i, t].item() for i, t in enumerate(gen)]
-    return gen, lps
+    return gen, lps, top2_rows(logits[len(prompt) - 1 : len(prompt) - 1 + len(gen)])
 
 
 def assert_engine_matches(llm: LLM, hf) -> None:
     sp = SamplingParams(temperature=0.0, num_tokens_to_generate=NEW_TOKENS, return_log_probs=True,
                         ignore_eos=True)  # fmt: skip
     for prompt, req in zip(PROMPTS, llm.generate(PROMPTS, sp), strict=True):
-        tokens, lps = hf_reference(hf, prompt)
-        assert req.generated_tokens == tokens
-        diff = (torch.tensor(req.generated_log_probs) - torch.tensor(lps)).abs().max().item()
+        tokens, lps, top2 = hf_reference(hf, prompt)
+        n = assert_matches_reference(req.generated_tokens, tokens, top2)
+        diff = max(
+            (abs(a - b) for a, b in zip(req.generated_log_probs[:n], lps[:n], strict=True)),
+            default=0,
+        )
         assert diff <= TOLERANCE, diff
 
 
@@ -287,9 +292,10 @@ def test_rollout_serve_matches_transformers(tmp_path, case):
                 client.stop()
 
         for prompt, req in zip(PROMPTS, asyncio.run(generate()), strict=True):
-            tokens, lps = hf_reference(hf, prompt)
-            assert req.generated_tokens == tokens
-            diff = (torch.tensor(req.generated_log_probs) - torch.tensor(lps)).abs().max().item()
+            tokens, lps, top2 = hf_reference(hf, prompt)
+            n = assert_matches_reference(req.generated_tokens, tokens, top2)
+            got = req.generated_log_probs[:n]
+            diff = max((abs(a - b) for a, b in zip(got, lps[:n], strict=True)), default=0)
             assert diff <= TOLERANCE, diff
     finally:
         stop_all([serve])

@@ -21,13 +21,15 @@ import threading
 import pytest
 import torch
 from fake_engine import wait_for
+from near_tie import agreeing_prefix
 
 from rollout import InferenceConfig, SamplingParams
 from rollout.engine.cuda_graphs import DecodeGraphs
 from rollout.engine.engine import DynamicInferenceEngine
 from rollout.models import from_transformers
 from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord
-from rollout.rl.manager import RolloutManager, RolloutManagerConfig
+from rollout.rl.manager import RolloutManager
+from rollout.rl.manager_config import RolloutManagerConfig
 from rollout.rl.samples import Sample, collate
 from rollout.tokenizers import ByteTokenizer
 from trainer_hooks.routing_replay import moe_routers, replay_routing
@@ -211,24 +213,6 @@ def tie_free_hf(seed: int = 0):
         for router in moe_routers(hf):
             router.weight.copy_(torch.randn(router.weight.shape, generator=g))
     return hf
-
-
-CLEAR_MARGIN = 1e-3  # a greedy pick this far ahead of the runner-up survives 1e-6 path noise
-
-
-def agreeing_prefix(a: DynamicInferenceRequest, b: DynamicInferenceRequest) -> int:
-    """How many leading tokens two greedy runs must agree on in default mode: up to (and
-    including) the first whose top-2 log-probs are within CLEAR_MARGIN in either run. Exact
-    equality beyond a near tie would depend on the machine's GEMM kernels (issue 28); the
-    batch-invariant mode compares every token bit for bit."""
-    for i, (ta, tb) in enumerate(
-        zip(a.generated_top_n_logprobs, b.generated_top_n_logprobs, strict=True)
-    ):
-        for top in (ta, tb):
-            first, second = sorted(top.values(), reverse=True)[:2]
-            if first - second < CLEAR_MARGIN:
-                return i + 1
-    return len(a.generated_tokens)
 
 
 def test_static_decode_path_records_the_same_experts_as_the_eager_path():

@@ -10,7 +10,8 @@ import torch
 from transformers import TrainerControl, TrainerState
 
 from rollout import InferenceConfig
-from rollout.rl.manager import RolloutManager, RolloutManagerConfig
+from rollout.rl.manager import RolloutManager
+from rollout.rl.manager_config import RolloutManagerConfig
 from rollout.tokenizers import ByteTokenizer
 from trainer_hooks.losses import sequence_log_probs
 from trainer_hooks.trl import TRLRollout, prompt_runs

@@ -27,6 +27,7 @@ import sys
 import msgpack
 import pytest
 import torch
+from near_tie import assert_greedy_agrees
 from safetensors.torch import save_file
 from test_weights_ipc import GREEDY, PROMPTS, _direct, _manager, _perturb, _run, _versions
 
@@ -139,14 +140,15 @@ def _report(proc: subprocess.Popen) -> dict:
 
 
 def _serves(ctx, version: int, model: torch.nn.Module) -> None:
-    """Both engines hold `version` and answer exactly like a fresh engine holding `model`."""
+    """Both engines hold `version` and answer like a fresh engine holding `model` (greedy tokens
+    up to the first near tie: the cluster batches otherwise; tests/near_tie.py)."""
     m = ctx["manager"]
     assert _versions(m) == {version}
     samples = m.generate(PROMPTS, n=2, sampling_params=GREEDY)  # round robin: both engines
     assert all(s.token_versions == [version] * 6 for s in samples)
     want = _direct(ctx, model)
-    assert [s.completion_tokens for s in samples[::2]] == want
-    assert [s.completion_tokens for s in samples[1::2]] == want
+    assert_greedy_agrees([s.completion_tokens for s in samples[::2]], want)
+    assert_greedy_agrees([s.completion_tokens for s in samples[1::2]], want)
 
 
 def _applied_or_refused(ctx, nxt: torch.nn.Module, old: int, old_model: torch.nn.Module) -> bool:

@@ -17,6 +17,7 @@ import msgpack
 import pytest
 import torch
 from fake_engine import wait_for
+from near_tie import assert_greedy_agrees
 
 from rollout.config import ConfigError, load_config, validate
 from rollout.config.builders import build_manager, build_model_and_tokenizer, inference_config
@@ -80,12 +81,14 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
             p.add_((0.02 * torch.randn(p.shape, generator=g)).to(p.device))
 
 
-def _direct(ctx, model) -> list[list[int]]:
-    """Greedy tokens of a fresh in-process engine holding `model`'s weights."""
+def _direct(ctx, model) -> list:
+    """Greedy records of a fresh in-process engine holding `model`'s weights, with top-2
+    log-probs: the cluster batches otherwise, so its greedy tokens agree up to the first near
+    tie (tests/near_tie.py)."""
     engine = DynamicInferenceEngine(
         copy.deepcopy(model).eval(), ctx["tok"], inference_config(ctx["run"])
     )
-    return [r.generated_tokens for r in engine.generate(PROMPTS, GREEDY)]
+    return engine.generate(PROMPTS, GREEDY.replace(top_n_logprobs=2))
 
 
 def _versions(m: RolloutManager) -> set[int]:
@@ -203,8 +206,8 @@ def test_update_is_bit_identical_versioned_and_serves_like_a_fresh_engine(ctx):
         samples = m.generate(PROMPTS, n=2, sampling_params=GREEDY)
         assert all(s.token_versions == [version] * 6 for s in samples)
         assert all(s.policy_staleness == [0] * 6 for s in samples)
-        assert [s.completion_tokens for s in samples[::2]] == _direct(ctx, trainer)
-        assert [s.completion_tokens for s in samples[1::2]] == _direct(ctx, trainer)
+        assert_greedy_agrees([s.completion_tokens for s in samples[::2]], _direct(ctx, trainer))
+        assert_greedy_agrees([s.completion_tokens for s in samples[1::2]], _direct(ctx, trainer))
 
 
 def test_corrupted_bucket_is_refused_and_the_old_weights_keep_serving(ctx):
@@ -223,7 +226,7 @@ def test_corrupted_bucket_is_refused_and_the_old_weights_keep_serving(ctx):
     assert _versions(m) == {old}
     samples = m.generate(PROMPTS, n=2, sampling_params=GREEDY)
     assert all(s.token_versions == [old] * 6 for s in samples)
-    assert [s.completion_tokens for s in samples[::2]] == good
+    assert_greedy_agrees([s.completion_tokens for s in samples[::2]], good)
 
     def fail(i: int, bucket: torch.Tensor) -> None:
         raise RuntimeError("trainer died while packing")
@@ -305,8 +308,8 @@ def test_engine_killed_mid_sync_does_not_block_and_restarts_on_the_new_weights(c
     assert _versions(m) == {version}
     samples = m.generate(PROMPTS, n=2, sampling_params=GREEDY)  # round robin: both serve
     assert all(s.token_versions == [version] * 6 for s in samples)
-    assert [s.completion_tokens for s in samples[::2]] == _direct(ctx, trainer)
-    assert [s.completion_tokens for s in samples[1::2]] == _direct(ctx, trainer)
+    assert_greedy_agrees([s.completion_tokens for s in samples[::2]], _direct(ctx, trainer))
+    assert_greedy_agrees([s.completion_tokens for s in samples[1::2]], _direct(ctx, trainer))
     m.update_weights(trainer)  # the restarted engine takes updates again
     assert sorted(m.engine.last_sync) == [0, 1]
 
@@ -365,7 +368,7 @@ def test_cuda_colocated_update_through_ipc_handles():
         assert {a["checksum"] for a in acks.values()} == {state_dict_checksum(trainer)}
         samples = manager.generate(PROMPTS, n=2, sampling_params=GREEDY)
         assert all(s.token_versions == [version] * 6 for s in samples)
-        assert [s.completion_tokens for s in samples[::2]] == _direct(ctx, trainer)
+        assert_greedy_agrees([s.completion_tokens for s in samples[::2]], _direct(ctx, trainer))
         nxt = copy.deepcopy(trainer)
         _perturb(nxt, 2)
 

@@ -19,7 +19,8 @@ from rollout.metrics import make_logger
 from rollout.models import kv_bytes_per_block as model_kv_bytes
 from rollout.models.config import ModelConfig
 from rollout.models.lora import load_adapter
-from rollout.rl.manager import RolloutManager, RolloutManagerConfig
+from rollout.rl.manager import RolloutManager
+from rollout.rl.manager_config import RolloutManagerConfig
 from rollout.sampling import SamplingParams
 from rollout.serving import factory
 from rollout.serving.auth import resolve_token

@@ -50,7 +50,6 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import secrets
 import time
 import weakref
 from collections import deque
@@ -60,122 +59,32 @@ from typing import Any
 import torch
 from torch import nn
 
-from rollout.engine.config import InferenceConfig
-from rollout.engine.engine import DynamicInferenceEngine
 from rollout.engine.interface import EngineLost, EngineProtocol
-from rollout.engine.logits_processors import processors_of
 from rollout.metrics import staleness_summary
-from rollout.protocol import SUSPEND_MODES
 from rollout.request import DynamicInferenceRequest
 from rollout.rl.batch_health import check_batch
 from rollout.rl.driver import EngineDriver
+from rollout.rl.dynamic_sampling import DynamicSampling, RewardFn, assign_rewards
+from rollout.rl.engines import manager_engine, max_sequence_length
 from rollout.rl.environment import EnvFactory
 from rollout.rl.episodes import EpisodeLimits, EpisodeRecord, EpisodeRunner
-from rollout.rl.groups import Group, Result, hand_out, stale_indices, zero_variance
+from rollout.rl.groups import Group, Result, hand_out, stale_indices
+from rollout.rl.manager_config import RolloutManagerConfig
 from rollout.rl.samples import Sample, request_error
+from rollout.rl.sampling_policy import (
+    check_n,
+    resolve_sampling_params,
+    sample_seeded,
+    turn_seeded,
+)
+from rollout.rl.slots import Slot, failed_record, resolve
 from rollout.rl.staleness import VersionHistory
-from rollout.sampling import LOGPROBS_MODES, SamplingParams
-from rollout.serving.cluster import EngineCluster
-from rollout.serving.cluster_engine import ClusterEngine
+from rollout.sampling import SamplingParams
 from rollout.weights.state import as_state_dict
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RolloutManager", "RolloutManagerConfig"]
-
-MODES = ("colocated", "async")
-# EngineCluster options that mean something when attaching (the rest configure spawned engines)
-_ATTACH_OPTIONS = ("auth_token", "weight_sync_host", "bucket_bytes", "ready_timeout_s",
-                   "sync_timeout_s", "worker_options", "on_event", "weights_snapshot")  # fmt: skip
-STALE_POLICIES = ("drop", "regenerate")
-
-
-def _on_ray(options: Mapping[str, Any] | None) -> bool:
-    """cluster_options asking for the ray launcher: engines on Ray whatever dp is."""
-    return bool(options) and options.get("launcher") == "ray"
-
-
-RewardFn = Callable[[Sample], Any]
-
-
-@dataclasses.dataclass
-class RolloutManagerConfig:
-    """What the manager decides (engine sizes live in InferenceConfig).
-
-    max_inflight_groups bounds groups submitted but not yet handed out (in flight + ready);
-    None means 2 x the batch size, so a full batch leaves partial rollouts behind (set it to the
-    batch size for strictly synchronous batches).
-    """
-
-    mode: str = "colocated"
-    max_staleness: int | None = None
-    stale_policy: str = "drop"
-    suspend_mode: str = "recompute"
-    max_inflight_groups: int | None = None
-    initial_version: int = 0
-    collect_timeout_s: float = 3600.0
-    dp: int = 1  # engines: 1 = one in-process engine, > 1 = engine processes (EngineCluster)
-    # "tcp://HOST:PORT": attach to a running coordinator and the engines that joined it (any
-    # host) instead of starting engines; `dp` is then how many must have joined to start
-    coordinator_address: str | None = None
-    max_turns: int = 8  # episodes: model turns
-    max_episode_tokens: int | None = None  # episodes: all tokens; None = the engine's limit
-    env_timeout_s: float = 60.0  # episodes: one Environment.reset/step call
-    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
-    max_extra_groups: int | None = None  # dynamic sampling: extra groups per batch; None = batch
-    # Behaviour log-probs of every request: processed = log_softmax(logits / T), what was
-    # sampled from (TRL/veRL's convention: the IS ratio is exact at T != 1); raw = T 1.
-    logprobs_mode: str = "processed"
-    # a batch with more failed samples than this fraction raises BatchFailed (1.0: never)
-    max_failed_fraction: float = 0.5
-    # MoE: record every token's experts for the trainer to replay (SamplingParams
-    # .return_routed_experts on every request; docs/internals.md, "Routing replay")
-    routing_replay: bool = False
-    # Logits processors (penalties, logit_bias, allowed_token_ids, bad_words, min_tokens)
-    # change the distribution tokens are drawn from; a trainer's log_softmax(logits / T) does
-    # not. Refused unless True: the trainer then recomputes the processed logits itself
-    # (rollout.engine.logits_processors.process) or accepts the mismatch.
-    allow_logits_processors: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("routing_replay", "allow_logits_processors"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(
-                f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
-            )
-        if isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 1:
-            raise ValueError(f"dp must be an int >= 1, got {self.dp!r}")
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.stale_policy not in STALE_POLICIES:
-            raise ValueError(
-                f"stale_policy must be one of {STALE_POLICIES}, got {self.stale_policy!r}"
-            )
-        if self.suspend_mode not in SUSPEND_MODES:
-            raise ValueError(
-                f"suspend_mode must be one of {SUSPEND_MODES}, got {self.suspend_mode!r}"
-            )
-        if self.max_staleness is not None and (
-            isinstance(self.max_staleness, bool) or int(self.max_staleness) < 0
-        ):
-            raise ValueError(f"max_staleness must be None or >= 0, got {self.max_staleness!r}")
-        if self.max_inflight_groups is not None and int(self.max_inflight_groups) < 1:
-            raise ValueError(f"max_inflight_groups must be >= 1, got {self.max_inflight_groups!r}")
-        if self.collect_timeout_s <= 0:
-            raise ValueError(f"collect_timeout_s must be > 0, got {self.collect_timeout_s!r}")
-        for name in ("max_turns", "max_episode_tokens", "max_extra_groups"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "max_extra_groups" else 1)):  # fmt: skip
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.max_turns is None:
-            raise ValueError("max_turns must be a positive int, got None")
-        if self.env_timeout_s <= 0:
-            raise ValueError(f"env_timeout_s must be > 0, got {self.env_timeout_s!r}")
-        frac = self.max_failed_fraction
-        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 <= frac <= 1:
-            raise ValueError(f"max_failed_fraction must be a number in [0, 1], got {frac!r}")
+__all__ = ["RolloutManager"]
 
 
 class RolloutManager:
@@ -195,23 +104,17 @@ class RolloutManager:
         base = config if config is not None else RolloutManagerConfig()
         self.config = dataclasses.replace(base, **overrides) if overrides else base
         self._owns_engine = engine is None
-        if engine is None and self.config.coordinator_address is not None:
-            engine = self._attach(tokenizer, cluster_options)
-        elif engine is None and (self.config.dp > 1 or _on_ray(cluster_options)):
-            engine = self._start_cluster(model, tokenizer, inference_config, cluster_options)
+        if engine is None:
+            engine = manager_engine(
+                self.config, model, tokenizer, inference_config, cluster_options
+            )
         elif cluster_options:
             raise ValueError("cluster_options only apply with dp > 1 or launcher='ray'")
-        if engine is None:
-            if model is None:
-                raise ValueError("RolloutManager needs a model (and tokenizer) or an engine")
-            engine = DynamicInferenceEngine(
-                model, tokenizer, inference_config or InferenceConfig(), self.config.initial_version
-            )
         self.engine: EngineProtocol = engine
         self.version = int(engine.weight_version)
-        self._max_sequence_length = _max_sequence_length(inference_config)
+        self._max_sequence_length = max_sequence_length(inference_config)
         self._groups: dict[int, Group] = {}
-        self._requests: dict[int, _Slot] = {}  # request id -> where its record goes
+        self._requests: dict[int, Slot] = {}  # request id -> where its record goes
         self._deferred: list[Callable[[], None]] = []  # turns that arrived while suspended
         self._runner: EpisodeRunner | None = None  # started with the first episode
         self._episodes_running = 0
@@ -254,25 +157,6 @@ class RolloutManager:
         self._atexit = lambda: (m := ref()) is not None and m.close()
         atexit.register(self._atexit)
 
-    def _start_cluster(self, model: Any, tokenizer: Any, icfg: Any, options: Any) -> ClusterEngine:
-        """dp > 1: a coordinator and `dp` engine processes loading `model`'s weights."""
-        if model is None:
-            raise ValueError("RolloutManager with dp > 1 needs model= (module, state_dict, "
-                             "preset name or HF directory)")  # fmt: skip
-        opts = dict(options or {})
-        if icfg is not None:
-            opts["inference_config"] = icfg
-        cluster = EngineCluster(self.config.dp, model, tokenizer=tokenizer, **opts)
-        cluster.factory_kwargs["weight_version"] = self.config.initial_version
-        return ClusterEngine(cluster.start())
-
-    def _attach(self, tokenizer: Any, options: Any) -> ClusterEngine:
-        """Engines that run elsewhere, behind the coordinator at `coordinator_address`."""
-        opts = {k: v for k, v in dict(options or {}).items() if k in _ATTACH_OPTIONS}
-        cluster = EngineCluster(self.config.dp, None, tokenizer=tokenizer,
-                                attach=self.config.coordinator_address, **opts)  # fmt: skip
-        return ClusterEngine(cluster.start())
-
     # ------------------------------------------------------------------ public API
 
     def generate(
@@ -286,7 +170,7 @@ class RolloutManager:
         """Generate n samples per prompt (episodes per example with `env`); returns them
         prompt-major, in input order."""
         sp = self._sampling_params(sampling_params)
-        _check_n(n)
+        check_n(n)
         items = list(prompts)
         gids = self._driver.call(
             lambda: [self._submit_group(p, n, sp, for_collect=False, env=env) for p in items]
@@ -319,7 +203,7 @@ class RolloutManager:
         """
         if batch_size_groups < 1:
             raise ValueError(f"batch_size_groups must be >= 1, got {batch_size_groups!r}")
-        _check_n(n)
+        check_n(n)
         sp = self._sampling_params(sampling_params)
         if self._driver.closed:
             raise RuntimeError("RolloutManager is closed")
@@ -328,7 +212,7 @@ class RolloutManager:
         source, ended = iter(prompt_source), False
         cap = self._inflight_cap(batch_size_groups)
         batch: list[Sample] = []
-        filter_ = _DynamicSampling(self.config, batch_size_groups, self._counters)
+        filter_ = DynamicSampling(self.config, batch_size_groups, self._counters)
         groups_needed = batch_size_groups
         while groups_needed:
             want = min(groups_needed, cap)  # never more than may be in flight
@@ -346,7 +230,7 @@ class RolloutManager:
                     fresh = self._filter_stale(g)
                     if fresh is None:
                         continue
-                    _assign_rewards(fresh, reward_fn)
+                    assign_rewards(fresh, reward_fn)
                     if filter_.keep(fresh):
                         batch.extend(fresh)
                         groups_needed -= 1
@@ -503,28 +387,7 @@ class RolloutManager:
     # ------------------------------------------------------------------ generation core
 
     def _sampling_params(self, sp: SamplingParams | None) -> SamplingParams:
-        sp = sp if sp is not None else SamplingParams()
-        if not isinstance(sp, SamplingParams):
-            raise TypeError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
-        mode = self.config.logprobs_mode
-        if sp.logprobs_mode not in (None, mode):  # one mode per run: the loss recomputes one
-            raise ValueError(
-                f"sampling_params.logprobs_mode={sp.logprobs_mode!r} differs from the manager's "
-                f"logprobs_mode={mode!r}; leave it None or configure the manager"
-            )
-        reshaping = processors_of(sp) + (["structured_outputs"] if sp.structured_outputs else [])
-        if reshaping and not self.config.allow_logits_processors:
-            raise ValueError(
-                f"sampling_params.{reshaping[0]} reshapes the logits the tokens are "
-                "sampled from, which the trainer's log-prob recompute (log_softmax(logits / T)) "
-                "does not reproduce; set RolloutManagerConfig.allow_logits_processors=True and "
-                "recompute with rollout.engine.logits_processors.process, or leave it unset"
-            )
-        if self.config.routing_replay and not sp.return_routed_experts:
-            sp = sp.replace(return_routed_experts=True)
-        if sp.return_log_probs and sp.logprobs_mode == mode:
-            return sp
-        return sp.replace(return_log_probs=True, logprobs_mode=mode)
+        return resolve_sampling_params(self.config, sp)
 
     def _inflight_cap(self, batch_size_groups: int) -> int:
         cap = self.config.max_inflight_groups
@@ -576,14 +439,7 @@ class RolloutManager:
         if g.env is not None:
             self._start_episode(g, index)
             return
-        sp = g.sampling_params
-        if sp.seed is not None:  # distinct, reproducible streams per sample
-            salt = g.gid * 1009 + index * 7919 + self._next_rid
-            sp = sp.replace(seed=(sp.seed * 1_000_003 + salt) % 2**31)
-        elif (
-            not sp.is_greedy
-        ):  # a known stream: re-dispatch keeps it, `rollout.rl.replay` reruns it
-            sp = sp.replace(seed=secrets.randbelow(2**31))
+        sp = sample_seeded(g.sampling_params, g.gid, index, self._next_rid)
         self._add_request(g.prompt, sp, lambda req: self._file(g.gid, index, req))
 
     def _add_request(
@@ -597,7 +453,7 @@ class RolloutManager:
         a FAILED record)."""
         rid = self._next_rid
         self._next_rid += 1
-        self._requests[rid] = _Slot(prompt, deliver)
+        self._requests[rid] = Slot(prompt, deliver)
         try:
             self.engine.add_request(rid, prompt, sp, routing_key=routing_key)
         except EngineLost:
@@ -628,17 +484,14 @@ class RolloutManager:
         fut: asyncio.Future[DynamicInferenceRequest] = loop.create_future()
 
         def deliver(req: DynamicInferenceRequest) -> None:
-            loop.call_soon_threadsafe(_resolve, fut, req)
+            loop.call_soon_threadsafe(resolve, fut, req)
 
         def submit() -> None:
             if self._driver.suspended:  # runs on resume: nothing is put on a suspended engine
                 self._deferred.append(submit)
                 return
             self._counters["turns"] += 1
-            turn_sp = sp
-            if sp.seed is not None:  # each turn its own reproducible stream
-                turn_sp = sp.replace(seed=(sp.seed * 1_000_003 + self._next_rid * 7919) % 2**31)
-            self._add_request(prompt, turn_sp, deliver, routing_key=key)
+            self._add_request(prompt, turn_seeded(sp, self._next_rid), deliver, routing_key=key)
 
         self._driver.submit(submit)
         return fut
@@ -680,17 +533,7 @@ class RolloutManager:
             self._on_request(self._failed_request(rid, error))
 
     def _failed_request(self, rid: int, error: Exception) -> DynamicInferenceRequest:
-        """A FAILED record for request `rid` (its prompt kept when it is a prompt)."""
-        prompt = self._requests[rid].prompt
-        text = prompt if isinstance(prompt, str) else None
-        tokens = None
-        with contextlib.suppress(ValueError, TypeError):  # a prompt the engine could not take
-            tokens = None if prompt is None or text is not None else torch.as_tensor(prompt)
-        req = DynamicInferenceRequest(rid, prompt=text)
-        if tokens is not None and tokens.dim() == 1 and not tokens.is_floating_point():
-            req.prompt_tokens = tokens.to(torch.int64)
-        req.mark_failed(error)
-        return req
+        return failed_record(rid, self._requests[rid].prompt, error)
 
     def _on_request(self, req: DynamicInferenceRequest) -> None:
         """A merged request came back (finished or failed): hand it to whoever waits for it."""
@@ -743,72 +586,3 @@ class RolloutManager:
     def _num_collect_groups(self) -> int:
         with self._cv:
             return sum(1 for g in self._groups.values() if g.for_collect)
-
-
-@dataclasses.dataclass
-class _Slot:
-    """An engine request the manager waits for: its prompt (for a FAILED record) and who gets
-    its merged record (a group member, or an episode's turn)."""
-
-    prompt: Any
-    deliver: Callable[[DynamicInferenceRequest], None]
-
-
-def _resolve(fut: asyncio.Future, req: DynamicInferenceRequest) -> None:
-    if not fut.done():
-        fut.set_result(req)
-
-
-def _assign_rewards(samples: list[Sample], reward_fn: RewardFn | None) -> None:
-    if reward_fn is not None:
-        for s in samples:
-            s.reward = reward_fn(s)
-
-
-class _DynamicSampling:
-    """One batch's dynamic-sampling decisions (DAPO): drop zero-variance groups while the
-    extra-group budget lasts, then keep them (the batch keeps its size)."""
-
-    def __init__(self, config: RolloutManagerConfig, batch_groups: int, counters: dict) -> None:
-        self.on = config.dynamic_sampling
-        extra = config.max_extra_groups
-        self.budget = batch_groups if extra is None else extra
-        self.counters = counters
-        self.kept = self.dropped = self.filled = 0
-
-    def keep(self, samples: list[Sample]) -> bool:
-        flat = zero_variance(samples)
-        if self.on and flat and self.dropped < self.budget:
-            self.dropped += 1
-            self.counters["groups_dropped_zero_variance"] += 1
-            self.counters["groups_oversampled"] += 1
-            return False
-        if self.on and flat:
-            self.filled += 1
-            self.counters["groups_filled_zero_variance"] += 1
-        self.kept += 1
-        self.counters["groups_out"] += 1
-        self.counters["samples_out"] += len(samples)
-        return True
-
-    def metrics(self) -> dict[str, float]:
-        if not self.on:
-            return {}
-        return {
-            "rollout/dynamic_sampling/kept": self.kept - self.filled,
-            "rollout/dynamic_sampling/dropped": self.dropped,
-            "rollout/dynamic_sampling/oversampled": self.dropped,
-            "rollout/dynamic_sampling/filled": self.filled,
-        }
-
-
-def _max_sequence_length(icfg: InferenceConfig | Mapping[str, Any] | None) -> int:
-    """The engines' longest sequence: the default bound on an episode's tokens."""
-    if isinstance(icfg, Mapping):
-        return int(icfg.get("max_sequence_length", InferenceConfig.max_sequence_length))
-    return (icfg or InferenceConfig()).max_sequence_length
-
-
-def _check_n(n: int) -> None:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n (samples per prompt) must be an int >= 1, got {n!r}")

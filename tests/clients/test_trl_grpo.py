@@ -28,7 +28,8 @@ def test_grpo_trains_through_the_integration(tmp_path, temperature):
     os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
     from rollout import InferenceConfig
     from rollout.models import load_pretrained
-    from rollout.rl.manager import RolloutManager, RolloutManagerConfig
+    from rollout.rl.manager import RolloutManager
+    from rollout.rl.manager_config import RolloutManagerConfig
     from rollout.sampling import SamplingParams
     from rollout.tokenizers import load_tokenizer
     from trainer_hooks.losses import token_log_probs

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 
 from rollout.serving.http.schemas import bad_request
 from rollout.serving.http.vllm_control import json_body
-from rollout.serving.http.weight_group import check_group_args, check_meta
+from rollout.serving.http.weight_group import check_meta, join
 
 
 def as_token_ids(lp: dict[str, list], ids: list[int], tops: list[dict | None]) -> dict:
@@ -61,9 +61,7 @@ def areal_router() -> APIRouter:
 
     @router.post("/areal_init_weights_update_group")
     async def areal_init_weights_update_group(request: Request) -> dict:
-        body = await json_body(request)
-        await request.app.state.backend.control.join_group(check_group_args(body))
-        return {"success": True, "message": f"joined weight group {body['group_name']!r}"}
+        return await join(request.app.state.backend.control, await json_body(request))
 
     @router.post("/areal_set_update_weight_meta")
     async def areal_set_update_weight_meta(request: Request) -> dict:

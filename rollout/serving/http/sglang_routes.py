@@ -34,7 +34,7 @@ from pydantic import ValidationError
 from rollout.serving.http.generate_route import VLLMSamplingParams, to_sampling_params
 from rollout.serving.http.schemas import APIError, bad_request, not_supported
 from rollout.serving.http.vllm_control import json_body
-from rollout.serving.http.weight_group import check_group_args, check_meta
+from rollout.serving.http.weight_group import check_meta, join
 
 # SGLang sampling-parameter names -> vLLM's (generate_route.to_sampling_params)
 RENAMED = {"max_new_tokens": "max_tokens", "no_stop_trim": "include_stop_str_in_output",
@@ -213,9 +213,7 @@ def sglang_router(check_wait: Callable, submit: Callable, wait_or_abort: Callabl
 
     @router.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request) -> dict:
-        body = await json_body(request)
-        await request.app.state.backend.control.join_group(check_group_args(body))
-        return {"success": True, "message": f"joined weight group {body['group_name']!r}"}
+        return await join(request.app.state.backend.control, await json_body(request))
 
     @router.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request) -> dict:

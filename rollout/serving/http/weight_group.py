@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,13 @@ class WeightGroup:
         with contextlib.suppress(Exception):  # a group not in torch's registry: nothing to drop
             dist.destroy_process_group(self.pg)
         self.pg = None
+
+
+async def join(control: Any, body: dict) -> dict:
+    """SGLang's `/init_weights_update_group` and AReaL's `/areal_init_weights_update_group`:
+    `control` (control.Control) joins the group `body` names, or a 400 naming the field."""
+    await control.join_group(check_group_args(body))
+    return {"success": True, "message": f"joined weight group {body['group_name']!r}"}
 
 
 def check_group_args(body: dict) -> tuple:
