@@ -474,3 +474,33 @@ def test_fuzzed_frames_from_every_kind_of_peer_never_hurt_the_coordinator():
     finally:
         fuzz.close()
         h.close()
+
+
+def test_counts_at_the_wire_limits_keep_stats_answerable():
+    """An engine publishing the largest load msgpack carries, and a client asking for the
+    largest token count, do not push the coordinator's counts past what its STATS answer can
+    carry (found by the fuzzer: two such requests summed to 2**64)."""
+    h = Harness(heartbeat_s=0.5, engine_timeout_s=30.0)
+    fuzz = _Fuzzers(h)
+    try:
+        h.add_engine(0)
+        h.wait_engines(1)
+        fuzz.join_client()
+        fuzz.join_engine()
+        fuzz.engine.send(encode(Headers.HEARTBEAT, {"outstanding_tokens": 2**64 - 1}))
+        errors: list[str] = []
+
+        def refused(header: Headers, fields: list) -> bool:
+            return header is Headers.ERROR and not errors.append(fields[2])
+
+        for crid in (1, 2):
+            fuzz.client.send(encode(Headers.SUBMIT_REQUEST, crid, struct.pack("<2i", 2, 7),
+                                    b"\x80", 2**64 - 1, False, None, None))  # fmt: skip
+            assert fuzz._expect(fuzz.client, refused)
+            assert "num_tokens_to_generate must be in [1, 2147483647]" in errors[-1]
+        fuzz.sync()  # the STATS answer went out: every count fits the wire
+        assert h.coord.counters["internal_errors"] == 0
+        assert h.coord.stats()["engines"][7]["outstanding_tokens"] <= 2**53
+    finally:
+        fuzz.close()
+        h.close()

@@ -26,6 +26,9 @@ SendClient = Callable[[bytes, bytes], None]
 SendError = Callable[[bytes, Headers | None, int | None, str], None]
 
 
+MAX_TOKENS_TO_GENERATE = 2**31 - 1  # token positions are int32 on the wire
+
+
 class RequestPath:
     """Request-path handlers of the coordinator, over the state it shares with them."""
 
@@ -68,8 +71,9 @@ class RequestPath:
             problem = "coordinator is stopping: request refused"
         elif crid in client.requests:
             problem = f"duplicate client request id {crid}"
-        elif num_tokens < 1:
-            problem = f"num_tokens_to_generate must be >= 1, got {num_tokens}"
+        elif not 1 <= num_tokens <= MAX_TOKENS_TO_GENERATE:
+            problem = (f"num_tokens_to_generate must be in [1, {MAX_TOKENS_TO_GENERATE}], "
+                       f"got {num_tokens}")  # fmt: skip
         elif not prompt:
             problem = "empty prompt"
         elif type(prompt) is bytes and len(prompt) % 4:
@@ -257,8 +261,9 @@ class RequestPath:
             p.resume_versions += versions
             if experts is not None:
                 p.resume_experts += experts
-            p.reserved -= n
-            self.router.release(engine.identity, n)
+            freed = min(n, max(p.reserved, 0))  # an engine streaming past its reservation
+            p.reserved -= freed  # frees no more than was reserved for the request
+            self.router.release(engine.identity, freed)
             if p.stream and p.client in self.clients:
                 row = [p.client_request_id, tokens, log_probs, versions, extra, experts]
                 out.setdefault(p.client, []).append(row)

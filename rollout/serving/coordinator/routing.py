@@ -37,6 +37,7 @@ POLICIES = ("round_robin", "load_balanced", "first_prefix_block", "longest_prefi
 PREFIX_POLICIES = ("first_prefix_block", "longest_prefix")
 _AFFINITY_PERSON = b"rollout-affinity"  # BLAKE2b personalization: its own hash domain
 _KEY_MODULUS = 2**63 - 1
+MAX_LOAD_TOKENS = 2**53  # far above any real load; keeps sums exact and on the wire
 
 
 def affinity_key(prompt: str | bytes, salt: str | None = None) -> int:
@@ -120,7 +121,9 @@ class Router:
     def publish_load(self, key: Hashable, outstanding_tokens: int) -> None:
         slot = self.slots.get(key)
         if slot is not None:
-            slot.published_tokens = max(0, int(outstanding_tokens))
+            # an engine's word, bounded: a hostile or broken peer cannot push counts past what
+            # the wire can carry back (stats) or what arithmetic on them keeps meaningful
+            slot.published_tokens = min(max(0, int(outstanding_tokens)), MAX_LOAD_TOKENS)
 
     def reserve(self, key: Hashable, tokens: int) -> None:
         self.slots[key].local_tokens += tokens
@@ -130,6 +133,7 @@ class Router:
         leaves the engine's last snapshot as well: that counted it, or undercounts harmlessly
         (local reservations still hold whatever the snapshot missed)."""
         slot = self.slots.get(key)
+        tokens = max(0, tokens)  # releasing never adds load
         if slot is not None:
             slot.local_tokens = max(0, slot.local_tokens - tokens)
             slot.published_tokens = max(0, slot.published_tokens - tokens)
