@@ -9,7 +9,8 @@ import torch
 from reference import greedy, tiny_model
 
 from rollout.engine import DynamicInferenceEngine, InferenceConfig
-from rollout.engine.engine import MAX_STEP_FAILURES_IN_A_ROW, EngineBrokenError
+from rollout.engine.engine import MAX_STEP_FAILURES_IN_A_ROW
+from rollout.engine.errors import EngineBrokenError
 from rollout.request import DynamicInferenceEventType, Status
 from rollout.sampling import SamplingParams
 from rollout.tokenizers import ByteTokenizer

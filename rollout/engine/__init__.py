@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from rollout.engine.config import InferenceConfig
 from rollout.engine.engine import DynamicInferenceEngine
-from rollout.engine.intake import RequestError
+from rollout.engine.errors import RequestError
 from rollout.engine.interface import EngineProtocol, StepOutput
 
 __all__ = [

@@ -8,20 +8,23 @@ of the next step) and never the batch it would have joined.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rollout.engine.config import InferenceConfig
+from rollout.engine.errors import RequestError
+from rollout.engine.logits_processors import RequestLogits
+from rollout.engine.routing import check_routing
+from rollout.engine.sequence import Sequence
 from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord
 from rollout.sampling import SamplingParams
 from rollout.tokenizers import tokenize_with
 
+if TYPE_CHECKING:
+    from rollout.engine.engine import DynamicInferenceEngine
+
 Prompt = str | Seq[int] | torch.Tensor
-
-
-class RequestError(ValueError):
-    """A request that can never be served (too long, bad token ids, empty prompt)."""
 
 
 def new_record(
@@ -110,3 +113,43 @@ def check_stop_words(tokenizer: Any, sp: SamplingParams) -> None:
     """Stop words match the decoded text, so they need a tokenizer to decode with."""
     if sp.stop_words and tokenizer is None:
         raise RequestError("stop_words need a tokenizer")
+
+
+def sequence_for(
+    engine: DynamicInferenceEngine, record: DynamicInferenceRequestRecord, given: list[int] | None
+) -> Sequence:
+    """The engine's Sequence for the last segment of `record`, with its seed, logits processors
+    and grammar state (both rebuilt over the tokens of a resumed request). RequestError when it
+    can never be served here; ValueError for `given` hashes its prompt has no blocks for (a
+    caller's bug)."""
+    config, req = engine.config, record.requests[-1]
+    check_request(req, config, engine.vocab_size, engine.kv.num_blocks)
+    check_routing(req, engine.routing)
+    check_stop_words(engine.tokenizer, req.sampling_params)
+    processors = RequestLogits.for_request(req.sampling_params, engine.tokenizer,
+                                           engine.vocab_size, engine._eos)  # fmt: skip
+    sp = req.sampling_params
+    seed = sp.seed if sp.seed is not None else engine._next_seed()
+    if sp.seed is None:  # recorded: a checkpoint, a re-dispatch and a replay keep the stream
+        req.sampling_params = sp = sp.replace(seed=seed)
+    full = req.prompt_length // config.block_size
+    if given is not None and len(given) > full:
+        raise ValueError(
+            f"precomputed_block_hashes has {len(given)} hashes but the prompt has only "
+            f"{full} complete blocks of {config.block_size} tokens"
+        )
+    if given:
+        req.precomputed_block_hashes = list(given)
+    seq = Sequence(record, seed, record.requests[0].prompt_length, config.block_size,
+                   engine._eos, given, engine._decode)  # fmt: skip
+    seq.streamed = seq.num_generated
+    if processors is not None:  # counts rebuilt from the tokens of a resumed request
+        seq.processors = processors.attach(seq.tokens, seq.first_prompt_len)
+    seq.log_probs = [x for r in record.requests for x in r.generated_log_probs]
+    if sp.structured_outputs is not None:  # resumed: re-advanced over what it generated
+        try:
+            seq.grammar = engine.grammars.state(sp.structured_outputs,
+                                                seq.tokens[seq.first_prompt_len :])  # fmt: skip
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+    return seq

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from rollout.engine.intake import RequestError
+from rollout.engine.errors import RequestError
 from rollout.sampling import SamplingParams
 from rollout.tokenizers import tokenize_with
 

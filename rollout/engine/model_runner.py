@@ -15,9 +15,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from rollout.engine.config import InferenceConfig
 from rollout.engine.cuda_graphs import DecodeGraphs
 from rollout.engine.scheduler import ScheduledBatch
 from rollout.engine.sequence import Sequence
+from rollout.models import batch_invariant as bi
 from rollout.models.attention import PagedAttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -180,3 +182,51 @@ class ModelRunner:
         if len(at) == logits.shape[0] and at == list(range(len(at))):
             return logits
         return logits.index_select(0, torch.tensor(at, dtype=torch.long, device=logits.device))
+
+
+def serving_model(
+    model: nn.Module, config: InferenceConfig
+) -> tuple[nn.Module, torch.device, torch.dtype]:
+    """`model` checked for what an engine needs (.config, .forward_paged, no sliding window
+    shorter than a sequence), moved to the config's device and dtype, in eval mode and in the
+    config's batch-invariant mode; with that device and dtype. ValueError naming the misfit."""
+    model_config = getattr(model, "config", None)
+    if model_config is None or not hasattr(model, "forward_paged"):
+        raise ValueError(
+            "model must expose .config and .forward_paged (rollout.models.DecoderLM; "
+            "rollout.models.from_transformers converts a transformers model)"
+        )
+    window = getattr(model_config, "sliding_window", None)
+    if window is not None and window < config.max_sequence_length:
+        raise ValueError(
+            f"the model's sliding_window={window} is shorter than max_sequence_length="
+            f"{config.max_sequence_length}: sliding-window attention is not supported; "
+            f"serve at most {window} tokens per sequence"
+        )
+    param = next(model.parameters())
+    device = torch.device(config.device) if config.device is not None else param.device
+    dtype = config.torch_dtype or param.dtype
+    if param.device != device or param.dtype != dtype:
+        model.to(device=device, dtype=dtype)
+    model = model.eval()
+    set_batch_invariant(model, config.batch_invariant, dtype, device)
+    return model, device, dtype
+
+
+def set_batch_invariant(
+    model: nn.Module, on: bool, dtype: torch.dtype, device: torch.device
+) -> None:
+    """Switch `model` to the batch-invariant ops after checking this machine gives them
+    (rollout.models.batch_invariant.check_machine raises BatchInvariantUnsupported naming the
+    op), or back to the default ops; ValueError for a model without the mode."""
+    if not on:
+        if hasattr(model, "batch_invariant"):
+            model.batch_invariant = False
+        return
+    if not hasattr(model, "batch_invariant"):
+        raise ValueError(
+            "InferenceConfig.batch_invariant needs a rollout.models.DecoderLM "
+            f"(got {type(model).__name__})"
+        )
+    bi.check_machine(dtype, device)
+    model.batch_invariant = True

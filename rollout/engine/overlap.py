@@ -19,13 +19,24 @@ in stream order.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from rollout.engine import sampler
+from rollout.engine.interface import StepOutput
 from rollout.engine.model_runner import PreparedBatch
+from rollout.engine.postprocess import register_blocks, take_token
 from rollout.engine.sampler import DeviceSample
 from rollout.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from rollout.engine.engine import DynamicInferenceEngine
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -79,3 +90,77 @@ def decode_batch(
         samplers=list(seqs),
         prompt_lp=[],
     )
+
+
+def sample_on_device(
+    seqs: list[Sequence], logits: torch.Tensor, positions: list[int]
+) -> sampler.DeviceSample:
+    """`seqs`' next tokens, sampled and left on the device."""
+    params = [s.request.sampling_params for s in seqs]
+    return sampler.sample_on_device(logits, params, [s.seed for s in seqs], positions,
+                                    [s.processors for s in seqs])  # fmt: skip
+
+
+def follow(engine: DynamicInferenceEngine, out: StepOutput) -> bool:
+    """Launch the decode of the in-flight sequences on their device-side samples, then
+    read and bookkeep those samples while the device works. False (nothing done) when the
+    next step needs the scheduler or the launch fails: the caller drains and schedules."""
+    flight, config = engine._inflight, engine.config
+    if flight is None or engine.routing is not None or not can_follow(
+        flight, engine.scheduler.running, not engine.scheduler.waiting, config.block_size,
+        config.max_sequence_length, config.max_tokens_per_step,
+    ):  # fmt: skip
+        return False
+    seqs = flight.seqs
+    try:
+        prep = decode_batch(seqs, config.block_size, engine.device)
+        t0 = time.perf_counter()
+        logits = engine.runner.logits(prep, engine.kv.cache, token_ids=flight.sample.tokens)
+        engine.counters["forward_time_s"] += time.perf_counter() - t0
+        nxt = sample_on_device(seqs, logits, [s.num_computed + 1 for s in seqs])
+    except Exception:  # the synchronous path recomputes the same K/V and isolates faults
+        log.debug("overlapped decode failed; running the step synchronously", exc_info=True)
+        return False
+    engine.counters["steps"] += 1
+    engine.counters["overlapped_steps"] += 1
+    engine.blocks.stats.tokens_computed += len(seqs)
+    for seq in seqs:
+        seq.num_computed += 1
+    engine._inflight = None
+    _resolve(engine, flight, out)
+    engine._inflight = InFlight(seqs, nxt)
+    return True
+
+
+def drain(engine: DynamicInferenceEngine, out: StepOutput | None = None) -> None:
+    """Read and bookkeep the in-flight step, if any (partials go to `out`, else to the
+    next step's output): the host catches up with the device."""
+    flight, engine._inflight = engine._inflight, None
+    if flight is None:
+        return
+    sink = out if out is not None else StepOutput()
+    _resolve(engine, flight, sink)
+    if out is None:
+        engine._late_partials.extend(sink.partials)
+
+
+def _resolve(engine: DynamicInferenceEngine, flight: InFlight, out: StepOutput) -> None:
+    """Take `flight`'s tokens (one device-to-host sync) into the sequences still in the
+    engine; a sequence that finished, failed or was aborted since its launch drops its
+    token (computed past its end)."""
+    try:
+        result = sampler.to_host(flight.sample)
+    except Exception as e:  # its sequences' last token is lost: they cannot go on
+        for seq in flight.seqs:
+            engine._fail_seq(seq, "reading the in-flight step", e)
+        return
+    now = time.time()
+    for i, seq in enumerate(flight.seqs):
+        if engine._seqs.get(seq.request_id) is not seq:
+            continue
+        if engine.config.enable_prefix_caching:  # blocks of known tokens, before any finish
+            engine._isolated(seq, "prefix-cache registration", register_blocks, engine, seq,
+                             len(seq.tokens))  # fmt: skip
+        if engine._seqs.get(seq.request_id) is seq:
+            engine._isolated(seq, "token bookkeeping", take_token, engine, seq, result, i, now,
+                             out)  # fmt: skip

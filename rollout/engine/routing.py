@@ -26,7 +26,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from rollout.engine.intake import RequestError
+from rollout.engine.errors import RequestError
 from rollout.engine.scheduler import ScheduledBatch
 from rollout.engine.sequence import Sequence
 from rollout.request import DynamicInferenceRequest
