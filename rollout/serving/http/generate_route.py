@@ -20,7 +20,6 @@ does: prefix-cache blocks are shared only between requests with the same salt (o
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -38,6 +37,7 @@ from rollout.serving.http.schemas import (
     finish_reason,
     unstated_extras,
 )
+from rollout.serving.http.submit import check_wait, submit, wait_or_abort
 
 TEXT_ONLY = frozenset({"skip_special_tokens", "spaces_between_special_tokens", "detokenize"})
 # vLLM parameters this server does not implement, accepted only at vLLM's default value
@@ -147,10 +147,9 @@ def _choice(index: int, rec: Any, top_n: int | None) -> dict[str, Any]:
             "policy_staleness": [int(now) - v for v in versions]}  # fmt: skip
 
 
-def generate_router(check_wait: Callable, submit: Callable, wait_or_abort: Callable) -> APIRouter:
-    """The route, on app.py's own submit / wait-or-abort path (passed in: app.py includes this
-    router) and its admission limits, so waiting, no-wait, disconnects and limits behave as on
-    /v1."""
+def generate_router() -> APIRouter:
+    """The route, on the /v1 routes' submit / wait-or-abort path (submit.py) and admission
+    limits, so waiting, no-wait, disconnects and limits behave as on /v1."""
     router = APIRouter()
 
     @router.post("/inference/v1/generate")

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -33,6 +32,7 @@ from pydantic import ValidationError
 
 from rollout.serving.http.generate_route import VLLMSamplingParams, to_sampling_params
 from rollout.serving.http.schemas import APIError, bad_request, not_supported
+from rollout.serving.http.submit import check_wait, submit, wait_or_abort
 from rollout.serving.http.vllm_control import json_body
 from rollout.serving.http.weight_group import check_meta, join
 
@@ -157,8 +157,8 @@ def _tags(body: dict) -> list[str] | None:
     return [t for t in tags if t != "cuda_graph"] or None  # our graphs follow the KV pool
 
 
-def sglang_router(check_wait: Callable, submit: Callable, wait_or_abort: Callable) -> APIRouter:
-    """The routes; generation on app.py's own path (passed in), as /inference/v1/generate."""
+def sglang_router() -> APIRouter:
+    """The routes; generation on the /v1 routes' path (submit.py), as /inference/v1/generate."""
     router = APIRouter(include_in_schema=False)  # state-changing control: not fuzzed (README)
 
     @router.post("/generate")
