@@ -1,5 +1,5 @@
-"""What an engine worker sends back: rows in frames under the coordinator's size limit, and the
-FAILED record of a request that ran nowhere.
+"""What an engine worker sends back: a step's partials and finished records as rows, in frames
+under the coordinator's size limit, and the FAILED record of a request that ran nowhere.
 
 The coordinator's ROUTER drops the connection of a peer whose frame is larger than its
 `max_frame_bytes`, so a step that finishes many long records goes out as several frames, and a
@@ -20,7 +20,14 @@ from collections.abc import Iterator
 
 import torch
 
-from rollout.protocol import MAX_BATCH_ROWS
+from rollout.protocol import (
+    MAX_BATCH_ROWS,
+    pack_experts,
+    pack_floats,
+    pack_obj,
+    pack_tokens,
+    pack_versions,
+)
 from rollout.request import DynamicInferenceRequest, DynamicInferenceRequestRecord
 
 # Bytes a reply row adds to its frame beyond the payload (msgpack list, id, bin headers), and a
@@ -78,3 +85,36 @@ def frame_bounds(sizes: list[int], max_frame_bytes: int) -> Iterator[tuple[int, 
             start, total = i, 0
         total += size
     yield start, len(sizes)
+
+
+def partial_rows(partials: list[tuple], active: set[int]) -> list[list]:
+    """The REPLY_PARTIAL rows of a step's partials (StepOutput.partials) of the requests in
+    `active` (the others were given elsewhere): tokens, log-probs and versions packed, then
+    the optional top-n and routing-replay payloads."""
+    return [
+        [
+            rid,
+            pack_tokens(toks),
+            pack_floats(lps),
+            pack_versions(versions),
+            _extra(tops),
+            _experts_bytes(experts),
+        ]
+        for rid, toks, lps, versions, tops, *experts in partials
+        if rid in active
+    ]
+
+
+def partial_sizes(rows: list[list]) -> list[int]:
+    """Each partial row's bytes in a frame (for frame_bounds)."""
+    return [sum(len(f or b"") for f in r[1:]) + ROW_OVERHEAD for r in rows]
+
+
+def _extra(top_n_logprobs: list[dict]) -> bytes | None:
+    """A partial's optional payload: the top log-probs of its tokens, when they were asked."""
+    return pack_obj({"top_n_logprobs": top_n_logprobs}) if top_n_logprobs else None
+
+
+def _experts_bytes(rest: list) -> bytes | None:
+    """A partial's routing-replay rows (the engine partial's sixth element) as packed bytes."""
+    return pack_experts(rest[0]) if rest and rest[0] is not None else None

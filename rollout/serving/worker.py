@@ -16,9 +16,11 @@ group also checks the trainer's last committed weight version after registering 
 a worker whose versions are labels only adopts the coordinator's label instead (a relabel it
 missed while frozen would otherwise stay missed).
 
-Replies are split into frames under the coordinator's `max_frame_bytes` (rollout.serving.replies);
-a request resumed from another engine's checkpoint continues from `rollout.serving.resume`.
-The engine is driven through `rollout.engine.interface.EngineProtocol` only.
+DISPATCH rows become engine requests in `rollout.serving.dispatch` (a request resumed from
+another engine's checkpoint continues from `rollout.serving.resume`); replies are split into
+frames under the coordinator's `max_frame_bytes` (rollout.serving.replies); weight updates are
+received in `rollout.serving.worker_weights`. The engine is driven through
+`rollout.engine.interface.EngineProtocol` only.
 """
 
 from __future__ import annotations
@@ -28,12 +30,10 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 import zmq
 
@@ -46,20 +46,11 @@ from rollout.protocol import (
     ProtocolError,
     decode,
     encode,
-    pack_experts,
-    pack_floats,
     pack_hashes,
-    pack_obj,
-    pack_tokens,
-    pack_versions,
-    unpack_hashes,
-    unpack_obj,
-    unpack_tokens_array,
 )
 from rollout.request import DynamicInferenceRequestRecord
-from rollout.sampling import SamplingParams
-from rollout.serving.between_steps import BetweenSteps
 from rollout.serving.curve import connect_dealer
+from rollout.serving.dispatch import admit
 from rollout.serving.gc_tuning import freeze_startup_heap
 from rollout.serving.model_identity import model_identity
 from rollout.serving.processes import exit_on_signal, spawn_child
@@ -67,12 +58,18 @@ from rollout.serving.replies import (
     ROW_OVERHEAD,
     failed_record,
     frame_bounds,
+    partial_rows,
+    partial_sizes,
     record_bytes,
-    routed_record_bound,
 )
-from rollout.serving.resume import resume_record, resume_routing
 from rollout.serving.stall import stalled
-from rollout.tokenizers import tokenize_with
+from rollout.serving.worker_weights import (
+    StaleWeights,
+    check_committed_version,
+    join_sync,
+    receive_weights,
+    release_weights,
+)
 from rollout.weights.engine_sync import EngineWeightSync
 from rollout.weights.trust import weight_key
 
@@ -82,18 +79,6 @@ log = logging.getLogger(__name__)
 EXIT_STALE_WEIGHTS = 3  # its weights are older than the committed ones: restart from current
 EXIT_COORDINATOR_LOST = 4  # the coordinator went silent
 EXIT_REFUSED = 5  # the coordinator refused it (another model, a bad token): a restart cannot help
-# While receiving weights: how often to look for the trainer's abort of the transfer (a member
-# died in it; the trainer then retries without it). The store has no push, hence a timer.
-ABORT_CHECK_S = 0.2
-
-
-class StaleWeights(RuntimeError):
-    """The engine holds weights older than the version the trainer last committed."""
-
-
-def _extra(top_n_logprobs: list[dict]) -> bytes | None:
-    """A partial's optional payload: the top log-probs of its tokens, when they were asked."""
-    return pack_obj({"top_n_logprobs": top_n_logprobs}) if top_n_logprobs else None
 
 
 class EngineWorker:
@@ -189,7 +174,7 @@ class EngineWorker:
                 self._adopt_state(state)
                 if self.sync is None:  # versions are labels: the coordinator's is current
                     self.weight_version = version
-                self._check_committed_version()
+                check_committed_version(self)
                 return
 
     def _adopt_state(self, state: str) -> None:
@@ -202,19 +187,6 @@ class EngineWorker:
         elif state != "SUSPENDED" and self.suspended is not None:
             self.engine.resume()
             self.suspended = None
-
-    def _check_committed_version(self) -> None:
-        """Stale only when behind: an engine newer than the committed version (restarted from
-        the snapshot of an update still being committed, or shown a replayed old value) is
-        not, and restarting it would only load the same weights again."""
-        if self.sync is None:
-            return
-        committed = self.sync.committed_version()
-        if committed is not None and committed > self.weight_version:
-            raise StaleWeights(
-                f"engine rank {self.rank} holds weight version {self.weight_version}, the "
-                f"trainer committed {committed}: it must restart from the current weights"
-            )
 
     def run(self) -> None:
         """Register, then serve until STOP/SHUTDOWN or the coordinator goes silent."""
@@ -302,69 +274,17 @@ class EngineWorker:
             log.warning("engine rank %d: coordinator error: %s", self.rank, message)
 
     def _add(self, row: list) -> None:
-        """One DISPATCH row (rollout.protocol): a new request, or a resumed one with a checkpoint."""
-        rid, prompt, sp_bytes, hashes, resume_tokens, resume_log_probs, resume_versions = row[:7]
-        resume_experts = row[8]
+        """One DISPATCH row (rollout.serving.dispatch): a new request, or a resumed one."""
+        rid = row[0]
         self.counters["requests"] += 1
         try:
-            sp = SamplingParams.deserialize(unpack_obj(sp_bytes))
-            tokens = (
-                torch.from_numpy(unpack_tokens_array(prompt).astype(np.int64))
-                if isinstance(prompt, bytes)
-                else prompt
-            )
-            if resume_tokens:
-                if isinstance(tokens, str):
-                    tokens = torch.tensor(self._tokenize(tokens), dtype=torch.int64)
-                record = resume_record(rid, tokens, sp, self.block_size, resume_tokens,
-                                       resume_log_probs, resume_versions)  # fmt: skip
-                resume_routing(record, resume_experts, self.engine)
-                if record.requests[-1].remaining_tokens_to_generate <= 0:
-                    self._send_replies([record])
-                    return
-                self.engine.add_request(rid, record=record)
-            else:
-                self._check_routed_size(tokens, sp)
-                forwarded = self._forwarded_hashes(tokens, hashes)
-                self.engine.add_request(rid, tokens, sp, precomputed_block_hashes=forwarded)
+            done = admit(self.engine, row, self.block_size, self.max_frame_bytes)
+            if done is not None:  # resumed holding every token already: answered now
+                self._send_replies([done])
+                return
             self.active.add(rid)
         except (ValueError, ProtocolError) as e:
             self._send_replies([failed_record(rid, e)])
-
-    def _check_routed_size(self, prompt: Any, sp: SamplingParams) -> None:
-        """Refuse now (ValueError) a routing-replay request whose record could pass the frame
-        limit: it would otherwise fail only after its whole generation."""
-        routing = getattr(self.engine, "routing", None)
-        if not sp.return_routed_experts or routing is None:
-            return
-        row = routing.layers * routing.k * torch.empty(0, dtype=routing.dtype).element_size()
-        # a text prompt has at most one token a byte (plus BOS)
-        n = len(prompt.encode()) + 1 if isinstance(prompt, str) else len(prompt)
-        n += sp.num_tokens_to_generate
-        cap = getattr(getattr(self.engine, "config", None), "max_sequence_length", None)
-        n = min(n, cap) if isinstance(cap, int) else n
-        need = routed_record_bound(n, row, sp.top_n_logprobs)
-        if need > self.max_frame_bytes:
-            raise ValueError(
-                f"routing replay of up to {n} tokens ({row} bytes of experts a token) needs a "
-                f"reply of up to {need} bytes, over the coordinator's frame limit "
-                f"(max_frame_bytes={self.max_frame_bytes}): ask fewer tokens, or start the "
-                f"coordinator with max_frame_bytes >= {need}"
-            )
-
-    def _forwarded_hashes(self, tokens: Any, packed: bytes | None) -> list[int] | None:
-        """The coordinator's block hashes of a token prompt (hashed once, there), when they were
-        made with this engine's block size; the engine verifies tokens on every hit anyway."""
-        if not packed or isinstance(tokens, str):
-            return None
-        hashes = unpack_hashes(packed)
-        return hashes if len(hashes) == len(tokens) // self.block_size else None
-
-    def _tokenize(self, text: str) -> list[int]:
-        """Tokenize exactly as the engine does for a new text prompt (BOS included)."""
-        if self.engine.tokenizer is None:
-            raise ValueError("cannot resume a text prompt: the engine has no tokenizer")
-        return tokenize_with(self.engine.tokenizer, text, bos=True)
 
     def _control(self, header: Headers, fields: list) -> None:
         seq, info = fields[0], {}
@@ -378,13 +298,13 @@ class EngineWorker:
                 info["bytes_freed"] = int(self.engine.suspend(fields[1]))
                 self.suspended = fields[1]
             if fields[2] != "keep":
-                info.update(self._release_weights(fields[2]))
+                info.update(release_weights(self, fields[2]))
         elif header is Headers.RESUME:
             if self.suspended is not None:
                 self.engine.resume()
                 self.suspended = None
-        elif header is Headers.SET_WEIGHT_VERSION and self._join_sync(fields[2]):
-            info = self._receive_weights(fields[1], fields[2])
+        elif header is Headers.SET_WEIGHT_VERSION and join_sync(self, fields[2]):
+            info = receive_weights(self, fields[1], fields[2])
             if self.engine.weight_version != self.weight_version:  # applied: whole weights again
                 self.awaiting_weights = False
             self.weight_version = self.engine.weight_version
@@ -396,98 +316,15 @@ class EngineWorker:
         self.counters["acks"] += 1
         self._send(Headers.CONTROL_ACK, seq, int(header), info)
 
-    def _release_weights(self, mode: str) -> dict:
-        """SUSPEND's weights: offload or discard them (a refusal is reported in the ack)."""
-        try:
-            out = self.engine.release_weights(mode)
-        except (RuntimeError, ValueError) as e:
-            log.warning("engine rank %d kept its weights: %s", self.rank, e)
-            return {"weights": "resident", "weights_error": str(e), "weights_bytes_freed": 0}
-        self.awaiting_weights = self.awaiting_weights or out.get("weights") == "discarded"
-        return out
-
-    def _join_sync(self, rendezvous: dict | None) -> bool:
-        """True when this engine takes part in weight sync: started with it, or joining now
-        from the rendezvous the trainer published (an engine started on another host). A later
-        trainer's rendezvous is followed by `sync.receive`, once its MAC verified."""
-        if self.sync is None and rendezvous is not None:
-            host, port = rendezvous.get("host"), rendezvous.get("port")
-            if not isinstance(host, str) or type(port) is not int:
-                log.warning("ignoring a malformed weight-sync rendezvous: %r", rendezvous)
-                return False
-            timeout = rendezvous.get("timeout_s", 300.0)
-            info = {"host": host, "port": port, "rank": self.rank, "timeout_s": timeout}
-            self.sync = EngineWeightSync(self.engine, info, weight_key(self.auth_token))
-        return self.sync is not None
-
-    def _receive_weights(self, version: int, announcement: dict | None) -> dict:
-        """Take part in the trainer's broadcast of `version`: no new work is taken until the
-        weights are applied or refused (InferenceConfig.weight_update="pause": no step runs
-        either; "staged": the engine steps on and flips between two steps); heartbeats keep
-        flowing meanwhile, and a transfer the trainer aborted (a member died) ends here at once."""
-        done = threading.Event()
-        out: dict = {}
-        load = self._load()
-
-        def run() -> None:
-            try:
-                out.update(self.sync.receive(version, announcement))
-            finally:
-                done.set()
-
-        staged = getattr(getattr(self.engine, "config", None), "weight_update", None) == "staged"
-        self.sync.between_steps = flips = BetweenSteps() if staged else None
-        threading.Thread(target=run, name="rollout-weight-sync", daemon=True).start()
-        next_hb = next_check = time.monotonic()
-        while not done.is_set():
-            if flips is not None and self._step_while_receiving(flips):
-                load = self._load()
-            else:
-                done.wait(ABORT_CHECK_S)
-            if time.monotonic() >= next_check:
-                next_check = time.monotonic() + ABORT_CHECK_S
-                with contextlib.suppress(Exception):  # a store gone: the transfer fails itself
-                    self.sync.watch_abort()
-            if time.monotonic() >= next_hb:
-                self._send(Headers.HEARTBEAT, load)  # the coordinator must not think we died
-                next_hb = time.monotonic() + self.heartbeat_s
-        if flips is not None:
-            flips.run_pending()  # nothing is left waiting once the sync thread is done
-        self._last_recv = time.monotonic()
-        return out
-
-    def _step_while_receiving(self, flips: BetweenSteps) -> bool:
-        """A staged update: the flip when it is handed over, else one step (False: idle)."""
-        if flips.run_pending():
-            return True
-        if self.held or not self.engine.has_unfinished_requests():
-            return False
-        self._step()
-        self.counters["steps_while_receiving"] += 1
-        return True
-
     # ---- stepping -----------------------------------------------------------------------
 
     def _step(self) -> None:
         out = self.engine.step()
         self.counters["steps"] += 1
-        if out.partials:
-            rows = [
-                [
-                    rid,
-                    pack_tokens(toks),
-                    pack_floats(lps),
-                    pack_versions(versions),
-                    _extra(tops),
-                    _experts_bytes(experts),
-                ]
-                for rid, toks, lps, versions, tops, *experts in out.partials
-                if rid in self.active
-            ]
-            if rows:
-                self.counters["partials"] += len(rows)
-                sizes = [sum(len(f or b"") for f in r[1:]) + ROW_OVERHEAD for r in rows]
-                self._send_rows(Headers.REPLY_PARTIAL, rows, sizes)
+        rows = partial_rows(out.partials, self.active)
+        if rows:
+            self.counters["partials"] += len(rows)
+            self._send_rows(Headers.REPLY_PARTIAL, rows, partial_sizes(rows))
         if out.finished:
             self._send_replies(out.finished)
         evicted = self.engine.pop_evicted_hashes()  # keeps the coordinator's routing honest
@@ -602,8 +439,3 @@ def _plain(d: dict) -> dict:
         elif hasattr(v, "item"):
             out[str(k)] = v.item()
     return out
-
-
-def _experts_bytes(rest: list) -> bytes | None:
-    """A partial's routing-replay rows (the engine partial's sixth element) as packed bytes."""
-    return pack_experts(rest[0]) if rest and rest[0] is not None else None
