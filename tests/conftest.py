@@ -27,3 +27,13 @@ def model() -> torch.nn.Module:
     must not change its weights (update_weights on a private `tiny_model()` instead); a module
     that needs other weights defines its own `model`."""
     return tiny_model(seed=0)
+
+
+@pytest.fixture
+def client(served):
+    """An httpx client on the module's `served` server (tests/http_serve.py served_fixture),
+    with its bearer token; modules with a `client` fixture of their own override this one."""
+    import httpx
+
+    with httpx.Client(base_url=served.url, headers=served.auth, timeout=120) as c:
+        yield c

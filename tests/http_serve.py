@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -121,3 +122,15 @@ def serve_http(tmp: Path, *flags: str, fd_soft_limit: int | None = None,
         proc.kill()
         proc.wait(10)
         raise
+
+
+def served_fixture(name: str, *flags: str):
+    """A module-scoped fixture: one `rollout serve` (with `flags`) shared by a module's tests."""
+
+    @pytest.fixture(scope="module")
+    def served(tmp_path_factory):
+        s = serve_http(tmp_path_factory.mktemp(name), *flags)
+        yield s
+        s.stop()
+
+    return served

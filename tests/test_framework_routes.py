@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from http_serve import serve_http
+from http_serve import serve_http, served_fixture
 from reference import tiny_model
 
 from rollout.models.loader import save_pretrained
@@ -24,17 +24,7 @@ from rollout.models.loader import save_pretrained
 FLAGS = ("--block-size", "4", "--streaming-interval", "1")
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    s = serve_http(tmp_path_factory.mktemp("frameworks"), *FLAGS)
-    yield s
-    s.stop()
-
-
-@pytest.fixture
-def client(served):
-    with httpx.Client(base_url=served.url, headers=served.auth, timeout=120) as c:
-        yield c
+served = served_fixture("frameworks", *FLAGS)
 
 
 def _folder(tmp: Path, seed: int, name: str, **overrides) -> tuple[Path, torch.nn.Module]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from http_serve import serve_http
+from http_serve import served_fixture
 from reference import tiny_model
 from safetensors.torch import load_file, save_file
 
@@ -25,17 +25,7 @@ FLAGS = ("--block-size", "4", "--streaming-interval", "1")
 PAYLOAD = "delta-rank00000-file000000.safetensors"
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    s = serve_http(tmp_path_factory.mktemp("skyrl"), *FLAGS)
-    yield s
-    s.stop()
-
-
-@pytest.fixture
-def client(served):
-    with httpx.Client(base_url=served.url, headers=served.auth, timeout=120) as c:
-        yield c
+served = served_fixture("skyrl", *FLAGS)
 
 
 def _version(c: httpx.Client) -> int:

@@ -8,26 +8,13 @@ from __future__ import annotations
 import json
 
 import httpx
-import pytest
 import torch
-from http_serve import serve_http
+from http_serve import served_fixture
 from reference import greedy, tiny_model
 
 from rollout.models.loader import save_pretrained
 
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    s = serve_http(tmp_path_factory.mktemp("sleep"), "--block-size", "4",
-                   "--streaming-interval", "1")  # fmt: skip
-    yield s
-    s.stop()
-
-
-@pytest.fixture
-def client(served):
-    with httpx.Client(base_url=served.url, headers=served.auth, timeout=120) as c:
-        yield c
+served = served_fixture("sleep", "--block-size", "4", "--streaming-interval", "1")
 
 
 def _folder(tmp, seed: int) -> tuple[str, torch.nn.Module]:
