@@ -33,6 +33,14 @@ def _chunks(lines) -> tuple[list[int], list[int]]:
     return tokens, versions
 
 
+def _first_chunk(lines) -> list[str]:
+    """Read a stream up to its first data chunk (the request is generating), and return it."""
+    for line in lines:
+        if line.startswith("data: {"):
+            return [line]
+    raise AssertionError("the stream ended before its first chunk")
+
+
 def _version(c: httpx.Client) -> int:
     return int(c.get("/get_weight_version").json()["weight_version"])
 
@@ -46,11 +54,7 @@ def test_skyrl_colocated_order_frees_the_weights_and_holds_requests(client, tmp_
             "stream": True}  # fmt: skip
     with client.stream("POST", "/v1/completions", json=body) as r:
         lines = r.iter_lines()
-        first = []
-        for line in lines:  # generating: its first token arrived
-            if line.startswith("data: {"):
-                first.append(line)
-                break
+        first = _first_chunk(lines)  # generating: its first token arrived
         assert client.post("/pause", params={"mode": "keep"}).status_code == 200
         slept = client.post("/sleep", params={"level": 2})
         assert slept.status_code == 200, slept.text
@@ -103,11 +107,7 @@ def test_a_held_request_waits_through_a_wake_without_weights(client, tmp_path):
             "stream": True}  # fmt: skip
     with client.stream("POST", "/v1/completions", json=body) as r:
         lines = r.iter_lines()
-        first = []
-        for line in lines:
-            if line.startswith("data: {"):
-                first.append(line)
-                break
+        first = _first_chunk(lines)  # generating: its first token arrived
         assert client.post("/pause", params={"mode": "keep"}).status_code == 200
         assert client.post("/sleep", params={"level": 2}).json()["weights"] == "discarded"
         assert client.post("/wake_up").status_code == 200
