@@ -102,6 +102,7 @@ def test_serve_prints_pids_serves_and_leaves_nothing_behind(sig):
     assert not any(_alive(p) for p in pids.values()), pids
 
 
+@pytest.mark.heavy  # >10 s of real processes: out of the ~10-minute default suite
 def test_engine_subcommand_joins_a_running_coordinator(tmp_path):
     """The secret reaches serve through a file and the engine through the environment."""
     secret = tmp_path / "token"
@@ -146,6 +147,7 @@ def test_engine_subcommand_joins_a_running_coordinator(tmp_path):
                 p.kill()
 
 
+@pytest.mark.heavy  # >10 s of real processes: out of the ~10-minute default suite
 def test_serve_restarts_a_killed_engine_and_gives_up_at_the_limit():
     """SIGKILL engine 1: `rollout serve` restarts it and it serves again. With --max-restarts 1,
     the second kill leaves it down: the service goes on with engine 0 and says so."""

@@ -18,6 +18,7 @@ SP = SamplingParams(temperature=0.0, num_tokens_to_generate=8, ignore_eos=True)
 PROMPTS = [[1, 2, 3], [40, 41, 42, 43, 44], [7] * 19, [100, 90, 80, 70], [5, 6], "hello", "ok?"]
 
 
+@pytest.mark.heavy  # >10 s of real processes: out of the ~10-minute default suite
 def test_undecodable_results_leave_every_engine_serving():
     model = padded_model()
     cfg = InferenceConfig(num_blocks=64, max_requests=8)

@@ -79,6 +79,7 @@ def _manager(address: str, dp: int, **options) -> RolloutManager:
     return RolloutManager(coordinator_address=address, dp=dp, cluster_options=opts)
 
 
+@pytest.mark.heavy  # >10 s of real processes: out of the ~10-minute default suite
 def test_engine_with_another_model_is_refused_and_updates_go_on():
     serve = _serve(1)
     procs = [serve]
@@ -104,6 +105,7 @@ def test_engine_with_another_model_is_refused_and_updates_go_on():
         stop_all(procs)
 
 
+@pytest.mark.heavy  # >10 s of real processes: out of the ~10-minute default suite
 def test_restarted_serve_engine_serves_the_trainers_weights_never_the_checkpoints():
     serve = _serve(2)
     try:

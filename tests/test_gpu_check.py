@@ -35,6 +35,7 @@ def script():
     return module
 
 
+@pytest.mark.heavy  # >10 s of real processes: out of the ~10-minute default suite
 def test_cpu_mode_passes_every_cpu_stage(tmp_path):
     proc, report = run_check(tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:]

@@ -285,6 +285,7 @@ async def _until(check, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
+@pytest.mark.heavy  # >10 s of real processes: out of the ~10-minute default suite
 def test_weight_update_through_the_manager_lands_where_the_versions_say():
     """HTTP in front of a RolloutManager's coordinator (dp=2): an update pushed while a request
     streams shows in its per-token versions as one switch from 0 to 1, after the tokens already

@@ -212,6 +212,7 @@ def test_static_decode_equals_paged_and_dense_with_an_adapter():
     torch.testing.assert_close(dense, ref, atol=TOLERANCE, rtol=0)
 
 
+@pytest.mark.heavy  # >10 s of real processes: out of the ~10-minute default suite
 def test_dp2_engine_processes_take_adapter_only_updates(tmp_path):
     """Coordinator mode, two engine processes started from the PEFT model (base folder plus
     adapter folder); each update moves the adapter's bytes only, through ipc and broadcast."""
@@ -233,6 +234,7 @@ def test_dp2_engine_processes_take_adapter_only_updates(tmp_path):
         llm.shutdown()
 
 
+@pytest.mark.heavy  # >10 s of real processes: out of the ~10-minute default suite
 def test_an_adapter_pushed_at_another_scale_is_served_at_the_pushed_scale():
     """Engines started with r=8, lora_alpha=16 (scale 2); the trainer's PEFT model has the same
     base and rank but lora_alpha=64 (scale 8), then use_rslora (64/sqrt(8)). The scale travels
@@ -332,6 +334,7 @@ def test_recipe_config_adapter_path_builds_an_unmerged_lora_model(tmp_path):
         assert (model(ids) - pm(ids).logits).abs().max().item() <= TOLERANCE
 
 
+@pytest.mark.heavy  # >10 s of real processes: out of the ~10-minute default suite
 def test_a_restarted_engine_serves_the_last_base_and_adapter():
     """dp=2: a base-only update, then an adapter-only one, then an engine is killed: it restarts
     from its base and adapter folders plus the snapshot (both parts at their last values)."""

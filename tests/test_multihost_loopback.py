@@ -66,6 +66,7 @@ def _wait(fn, timeout: float, what: str) -> None:
         time.sleep(0.1)  # polling the coordinator's view of its engines, bounded
 
 
+@pytest.mark.heavy  # >10 s of real processes: out of the ~10-minute default suite
 def test_manager_attached_to_joined_engines(tmp_path):
     secret = tmp_path / "token"
     secret.write_text("s3\n")

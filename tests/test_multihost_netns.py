@@ -130,6 +130,7 @@ def _signal(proc: subprocess.Popen, sig: int, reply: str, trainer: subprocess.Po
     trainer.stdin.flush()
 
 
+@pytest.mark.heavy  # >10 s of real processes: out of the ~10-minute default suite
 def test_grpo_across_namespaces(hosts, tmp_path):
     token = tmp_path / "token"
     token.write_text("netns-secret\n")

@@ -163,6 +163,7 @@ def _sleeper() -> mp.Process:
 # ---- real engines ----------------------------------------------------------------------------
 
 
+@pytest.mark.heavy  # >10 s of real processes: out of the ~10-minute default suite
 def test_hung_engine_is_readmitted_paused_and_restarted_when_it_missed_an_update():
     """SIGSTOP past the coordinator's engine timeout (and past the worker's own silence timeout)
     while a pause goes out; SIGCONT: the same process re-registers, adopts PAUSED, serves after
@@ -222,6 +223,7 @@ async def _gather(futs):
     return await asyncio.gather(*futs)
 
 
+@pytest.mark.heavy  # >10 s of real processes: out of the ~10-minute default suite
 def test_llm_engine_killed_update_weights_completes_and_restart_serves_current_weights():
     model = tiny_model(seed=3)
     llm = LLM(model, ByteTokenizer(), InferenceConfig(num_blocks=64), use_coordinator=True,
@@ -255,6 +257,7 @@ def test_llm_engine_killed_update_weights_completes_and_restart_serves_current_w
         llm.shutdown()
 
 
+@pytest.mark.heavy  # >10 s of real processes: out of the ~10-minute default suite
 def test_a_replayed_committed_version_does_not_loop_a_restarted_engine():
     """A local process without the secret saves the store's MACed committed version after
     update 1 and writes it back after update 2; then an engine crashes. Its restart (from the
@@ -310,6 +313,7 @@ def test_restart_limit_reached_leaves_the_rank_down_and_the_rest_serving():
         cluster.close()
 
 
+@pytest.mark.heavy  # >10 s of real processes: out of the ~10-minute default suite
 def test_rollout_manager_dp2_engine_killed_mid_generation_is_restarted_with_current_weights():
     from rollout.rl.manager import RolloutManager
     from rollout.rl.manager_config import RolloutManagerConfig

@@ -67,6 +67,7 @@ def check_recipe_run(stdout: str, out_dir: Path, steps: int, world: int = 2) -> 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("dp", [1, 2], ids=["embedded", "dp2"])
+@pytest.mark.heavy  # >10 s of real processes: out of the ~10-minute default suite
 def test_two_ranks_train_one_model(dp, tmp_path):
     """`torchrun --nproc_per_node=2 -m recipes.grpo_reverse`: rank 0 generates (its embedded
     engine, or 2 engine processes it pushes weights to), logs one W&B run and metrics.json;

@@ -23,6 +23,7 @@ from rollout.config import ConfigError, compose, validate
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.heavy  # >10 s of real processes: out of the ~10-minute default suite
 def test_more_engines(tmp_path):
     """dp engine processes behind the coordinator; coordinator counters are logged too."""
     command = readme_command("test_more_engines")

@@ -21,6 +21,7 @@ from readme_helpers import (
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.heavy  # >10 s of real processes: out of the ~10-minute default suite
 def test_serve_with_remote_engine(tmp_path):
     """The "Several machines" walkthrough on one machine: serve, then an engine joins from
     another process with the shared secret; requests are served by both; the trainer attaches
