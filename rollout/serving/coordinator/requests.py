@@ -261,9 +261,8 @@ class RequestPath:
             p.resume_versions += versions
             if experts is not None:
                 p.resume_experts += experts
-            freed = min(n, max(p.reserved, 0))  # an engine streaming past its reservation
-            p.reserved -= freed  # frees no more than was reserved for the request
-            self.router.release(engine.identity, freed)
+            p.reserved -= n
+            self.router.release(engine.identity, n)  # never below zero (Router.release)
             if p.stream and p.client in self.clients:
                 row = [p.client_request_id, tokens, log_probs, versions, extra, experts]
                 out.setdefault(p.client, []).append(row)
