@@ -56,6 +56,13 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+def int_at_least(value: Any, name: str, low: int = 0) -> int:
+    """`value` if it is an int (not a bool) >= `low`, else a 400 naming `name`."""
+    if type(value) is not int or value < low:
+        raise bad_request(f"{name} must be an int >= {low}, got {value!r}", name)
+    return value
+
+
 def not_supported(what: str, instead: str) -> APIError:
     """501 naming `what`, refused rather than ignored, and what to use `instead`."""
     return APIError(501, f"{what} is not supported by this server ({instead})",

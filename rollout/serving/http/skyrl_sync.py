@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from rollout.serving.http.schemas import APIError, bad_request, not_supported
+from rollout.serving.http.schemas import APIError, bad_request, int_at_least, not_supported
 from rollout.weights.delta import apply_delta, delta_dir, read_manifest
 from rollout.weights.folder_update import checked_state_dict, read_folder
 
@@ -46,12 +46,6 @@ REFUSED_RPC = {
     "skyrl_set_lora_receive_target": "LoRA adapters are not served; sync merged weights",
     "skyrl_discard_in_memory_lora": "LoRA adapters are not served; sync merged weights",
 }
-
-
-def _int(value: Any, name: str, low: int = 0) -> int:
-    if type(value) is not int or value < low:
-        raise bad_request(f"{name} must be an int >= {low}, got {value!r}", name)
-    return value
 
 
 def _local(value: Any, name: str) -> str | None:
@@ -89,7 +83,7 @@ class DeltaSync:
             raise bad_request(f"checkpoint_load_format must be one of {list(LOAD_FORMATS)}",
                               "init_info.checkpoint_load_format")  # fmt: skip
         for key in ("cloud_download_workers", "multi_thread_safetensors_max_workers"):
-            _int(info.get(key, 1), f"init_info.{key}", 1)
+            int_at_least(info.get(key, 1), f"init_info.{key}", 1)
         _local(info.get("local_checkpoint_dir"), "init_info.local_checkpoint_dir")
         base = _local(info["base_model_path"], "init_info.base_model_path")
         async with self.lock:
@@ -105,7 +99,7 @@ class DeltaSync:
     async def fetch(self, body: dict) -> dict:
         if unknown := sorted(set(body) - {"target_version", "sync_dir", "uri"}):
             raise bad_request(f"{unknown[0]} is not supported by /fetch_weights", unknown[0])
-        target = _int(body.get("target_version"), "target_version", 1)
+        target = int_at_least(body.get("target_version"), "target_version", 1)
         sync_dir, uri = _local(body.get("sync_dir"), "sync_dir"), _local(body.get("uri"), "uri")
         if sync_dir is None and uri is None:
             raise bad_request("sync_dir or uri is required", "sync_dir")
@@ -167,7 +161,7 @@ class DeltaSync:
             raise bad_request(f"update_info.{unknown[0]} is not supported",
                               f"update_info.{unknown[0]}")  # fmt: skip
         key = "target_version" if info.get("target_version") is not None else "version"
-        target = _int(info.get(key), f"update_info.{key}", 1)
+        target = int_at_least(info.get(key), f"update_info.{key}", 1)
         async with self.lock:
             if not self.open:
                 raise APIError(409, "POST /start_weight_update first", code="invalid_state")
@@ -193,7 +187,7 @@ class DeltaSync:
         if isinstance(version, str) and version.isdigit():
             version = int(version)  # SkyRL types it as a string
         if version is not None:
-            _int(version, "weight_version", 1)
+            int_at_least(version, "weight_version", 1)
         async with self.lock:
             pending, self.open, self.pending = self.pending, False, False
             if not pending:

@@ -20,7 +20,7 @@ from typing import Any
 
 from fastapi import APIRouter, Query, Request
 
-from rollout.serving.http.schemas import bad_request, not_supported
+from rollout.serving.http.schemas import bad_request, int_at_least, not_supported
 from rollout.serving.http.skyrl_sync import DeltaSync
 
 
@@ -126,8 +126,8 @@ def vllm_router() -> APIRouter:
         if "weight_dir" not in body:
             raise bad_request("weight_dir is required", "weight_dir")
         version = body.get("weight_version")
-        if version is not None and (type(version) is not int or version < 0):
-            raise bad_request("weight_version must be an int >= 0", "weight_version")
+        if version is not None:
+            int_at_least(version, "weight_version")
         ctl = request.app.state.backend.control
         applied = await ctl.update_from_folder(body["weight_dir"], "weight_dir", version)
         return {"status": "ok", "weight_version": applied}
