@@ -200,7 +200,7 @@ class Control:
             current = await self.weight_version()
             version = current + 1 if version is None else version
             try:
-                sd = checked_state_dict(await self._model_shapes(), tensors, version, current)
+                sd = checked_state_dict(await self.model_shapes(), tensors, version, current)
             except ValueError as e:
                 raise bad_request(f"{param}: {e}; the served version {current} is unchanged",
                                   param) from None  # fmt: skip
@@ -214,7 +214,7 @@ class Control:
             self.weights_missing = False  # every engine applied a whole model
             return version
 
-    async def _model_shapes(self) -> Any:
+    async def model_shapes(self) -> Any:
         if self._shapes is None:
             if self.model_source is None:
                 raise APIError(501, "this server was started without its model source: weight "
@@ -270,7 +270,7 @@ class Control:
             raise APIError(502, f"receiving over weight group {name!r} failed (group dropped): "
                                 f"{e}", code="group_failed") from None  # fmt: skip
         self.partial.update(got)
-        shapes = await self._model_shapes()
+        shapes = await self.model_shapes()
         try:
             checked_state_dict(shapes, dict(self.partial), 1 << 62, 0)
         except ValueError as e:

@@ -172,7 +172,7 @@ class DeltaSync:
                                   f"update_info.{key}")  # fmt: skip
             current = await self.ctl.weight_version()
             try:
-                checked_state_dict(await self.ctl._model_shapes(), self.staged[1], current + 1,
+                checked_state_dict(await self.ctl.model_shapes(), self.staged[1], current + 1,
                                    current)  # fmt: skip
             except ValueError as e:
                 raise bad_request(f"update_info: {e}; the served version {current} is unchanged",
