@@ -30,6 +30,7 @@ TINY = [
     f"trainer.steps={STEPS}", "trainer.warmup_sft_steps=300", "trainer.warmup_sft_lr=0.003",
     "trainer.batch=4", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
     "rollout.max_new_tokens=6", "recipe.eval_every=2", "recipe.eval_prompts=4",
+    "trainer.kl_coef=0.01",  # every step is taken: unseeded sampling may score every group alike
 ]  # fmt: skip
 DIGEST = r"\[(\w+)\] rank (\d+)/(\d+) weights sha256 ([0-9a-f]{64})"
 
@@ -80,7 +81,7 @@ def test_two_ranks_train_one_model(dp, tmp_path):
     assert saved["config"]["recipe"]["name"] == "grpo_reverse"
     rows = [r for r in saved["history"] if "train/loss" in r]
     assert all(r.get("engine/num_engines", 1) == dp for r in rows)  # embedded: no such key
-    assert not all(r["train/skipped_step"] for r in rows)  # the weights did move
+    assert not any(r["train/skipped_step"] for r in rows)  # every rank stepped every step
     assert len(list((out_dir / "wandb").glob("offline-run-*"))) == 1  # rank 0 alone logs
     assert out.stdout.count("[grpo_reverse] reward curve") == 1
 
