@@ -204,19 +204,29 @@ def test_bad_requests_fail_alone(model):
 
 
 def test_seeded_sampling_is_independent_of_batch_and_eviction(model):
+    """Batch-invariant mode (the default mode's floats differ by batch shape, so a draw at a CDF
+    boundary could differ on another CPU): a seeded request gets the same tokens and log-prob
+    bits alone, in a mixed batch, and evicted and recomputed."""
     sp = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, num_tokens_to_generate=12,
-                        seed=1234, ignore_eos=True)  # fmt: skip
+                        seed=1234, ignore_eos=True, return_log_probs=True)  # fmt: skip
     target = prompts_of([20])[0]
-    alone = engine(model).generate([target], sp)[0].generated_tokens
+
+    def bits(r):
+        return r.generated_tokens, torch.tensor(r.generated_log_probs)
+
     others = prompts_of([7, 33, 12, 50], seed=4)
-    mixed = engine(model).generate([*others[:2], target, *others[2:]], sp)
-    assert mixed[2].generated_tokens == alone
-    eng = engine(model, block_size=4, num_blocks=16, max_requests=5)
+    alone = [
+        bits(engine(model, batch_invariant=True).generate([p], sp)[0]) for p in [*others, target]
+    ]
+    mixed = engine(model, batch_invariant=True).generate([*others[:2], target, *others[2:]], sp)
+    eng = engine(model, block_size=4, num_blocks=16, max_requests=5, batch_invariant=True)
     evicted = eng.generate([*others, target], sp)
-    assert eng.stats()["evictions"] > 0
-    assert evicted[-1].generated_tokens == alone
-    other_seed = engine(model).generate([target], sp.replace(seed=99))[0].generated_tokens
-    assert other_seed != alone
+    assert any(e.type == DynamicInferenceEventType.EVICT for r in evicted for e in r.events)
+    pairs = [(mixed[2], alone[-1]), *zip(evicted, alone, strict=True)]
+    for got, want in pairs:
+        assert bits(got)[0] == want[0] and torch.equal(bits(got)[1], want[1])
+    other_seed = engine(model, batch_invariant=True).generate([target], sp.replace(seed=99))[0]
+    assert other_seed.generated_tokens != alone[-1][0]
 
 
 def test_stop_token_eos_and_stop_word(model):

@@ -55,12 +55,15 @@ def test_greedy_tokens_and_log_probs_equal_the_reference():
 
 
 def test_static_decode_path_with_flex_equals_the_torch_backend():
-    """The CUDA-graph forward run eagerly (padded rows and widths) on flex, sampled: the same
-    tokens and log-probs as the torch backend's regular path."""
+    """The CUDA-graph forward run eagerly (padded rows and widths) on flex: the torch backend's
+    regular path's greedy tokens up to the first near tie (tests/near_tie.py), log-probs within
+    1e-5 there. Greedy, not seeded sampling: another kernel's floats differ in the last bits, so
+    a draw at a CDF boundary could differ, and batch-invariant mode (exact across paths) runs its
+    own attention whatever the backend, so it would not exercise flex."""
     model = tiny_model(num_key_value_heads=2)
     prompts = prompts_of([5, 13, 30])
-    sp = SamplingParams(temperature=1.0, top_p=0.9, num_tokens_to_generate=5, seed=11,
-                        ignore_eos=True, return_log_probs=True)  # fmt: skip
+    sp = SamplingParams(temperature=0.0, num_tokens_to_generate=5, ignore_eos=True,
+                        return_log_probs=True, top_n_logprobs=2)  # fmt: skip
     eng = _engine(model)
     max_blocks = -(-eng.config.max_sequence_length // eng.config.block_size)
     eng.runner.graphs = DecodeGraphs(model, eng.config.max_requests, max_blocks,
@@ -69,9 +72,13 @@ def test_static_decode_path_with_flex_equals_the_torch_backend():
     got = eng.generate(prompts, sp)
     assert eng.runner.graphs.counters["eager"] >= 3
     want = _engine(model, attention_backend="torch").generate(prompts, sp)
+    compared = 0
     for a, b in zip(got, want, strict=True):
-        assert a.generated_tokens == b.generated_tokens
-        assert a.generated_log_probs == pytest.approx(b.generated_log_probs, abs=1e-5)
+        n = agreeing_prefix(a, b)
+        assert a.generated_tokens[:n] == b.generated_tokens[:n]
+        assert a.generated_log_probs[:n] == pytest.approx(b.generated_log_probs[:n], abs=1e-5)
+        compared += n
+    assert compared >= 6  # decode steps on the static path were compared, not only prefills
 
 
 def test_a_failing_flex_kernel_falls_back_to_the_torch_backend(monkeypatch):
