@@ -1,9 +1,11 @@
 """InferenceConfig.async_scheduling (rollout.engine.overlap): the host lags the device by one
 decode step, and nothing a caller sees changes. Every scenario runs the same script of steps
 and lifecycle calls with the option off and on and compares tokens, log-probs, top-n, weight
-versions, finish reasons and texts request by request. Log-probs agree to float rounding, not
-bit for bit: a step after a request finished holds its discarded extra row, and a batch of
-another size may round a matmul differently (tokens are the same whatever shares the batch)."""
+versions, finish reasons and texts request by request, bit for bit. The two runs' batches
+differ (a step after a request finished holds its discarded extra row), and in default mode a
+batch of another size may round a matmul differently, so a greedy near tie or a seeded draw at a
+CDF boundary could go another way on another CPU: the comparisons run batch-invariant
+(InferenceConfig(batch_invariant=True)), where a row's bits do not depend on its batch."""
 
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ def _run(
     **kw,
 ) -> tuple[list[tuple], DynamicInferenceEngine, int]:
     kw.setdefault("num_blocks", 256)
-    config = InferenceConfig(async_scheduling=async_scheduling, **kw)
+    config = InferenceConfig(async_scheduling=async_scheduling, batch_invariant=True, **kw)
     model = tiny_model(seed=0)
     eng = DynamicInferenceEngine(model, IdTokenizer(), config)
     if graphs:  # the graph path's static forward, run eagerly on CPU (tests/test_cuda_graphs.py)
@@ -73,10 +75,8 @@ def _listed(t) -> list | None:
 def _assert_same(on: list[tuple], off: list[tuple]) -> None:
     for a, b in zip(on, off, strict=True):
         assert a[0] == b[0] and a[3:] == b[3:]  # tokens, versions, reason, text, status, staleness
-        assert a[1] == pytest.approx(b[1], abs=1e-5)
-        assert [list(d) for d in a[2]] == [list(d) for d in b[2]]
-        top_a = [v for d in a[2] for v in d.values()]
-        assert top_a == pytest.approx([v for d in b[2] for v in d.values()], abs=1e-5)
+        assert a[1] == b[1]  # log-probs: the same floats
+        assert [list(d.items()) for d in a[2]] == [list(d.items()) for d in b[2]]
 
 
 def _same(params: list[SamplingParams], events: dict[int, Event] | None = None, **kw) -> list:
@@ -196,7 +196,7 @@ def test_streaming_partials_match():
     """Partials carry the same tokens, in order, whether or not the host lags."""
 
     def partial_tokens(async_scheduling: bool) -> dict[int, list[int]]:
-        config = InferenceConfig(num_blocks=256, streaming_interval=3,
+        config = InferenceConfig(num_blocks=256, streaming_interval=3, batch_invariant=True,
                                  async_scheduling=async_scheduling)  # fmt: skip
         eng = DynamicInferenceEngine(tiny_model(seed=0), IdTokenizer(), config)
         for p in PROMPTS[:3]:
