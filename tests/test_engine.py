@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from id_tokenizer import IdTokenizer
-from reference import greedy, prompts_of
+from reference import greedy, prompts_of, tiny_model
 
 from rollout import hashing
 from rollout.engine import DynamicInferenceEngine, InferenceConfig
@@ -203,29 +203,30 @@ def test_bad_requests_fail_alone(model):
         eng.add_request(7, [1, 2], GREEDY)
 
 
-def test_seeded_sampling_is_independent_of_batch_and_eviction(model):
+def test_seeded_sampling_is_independent_of_batch_and_eviction():
     """Batch-invariant mode (the default mode's floats differ by batch shape, so a draw at a CDF
-    boundary could differ on another CPU): a seeded request gets the same tokens and log-prob
-    bits alone, in a mixed batch, and evicted and recomputed."""
+    boundary could differ on another CPU): each seeded request gets the same tokens and log-prob
+    bits alone, in a mixed batch, and in an engine that evicts and recomputes."""
+    model = tiny_model(seed=0)  # the mode is set on the model: not the module's shared one
     sp = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, num_tokens_to_generate=12,
                         seed=1234, ignore_eos=True, return_log_probs=True)  # fmt: skip
     target = prompts_of([20])[0]
+    others = prompts_of([7, 33, 12, 50], seed=4)
+
+    def exact(**kw):
+        return engine(model, batch_invariant=True, **kw)
 
     def bits(r):
         return r.generated_tokens, torch.tensor(r.generated_log_probs)
 
-    others = prompts_of([7, 33, 12, 50], seed=4)
-    alone = [
-        bits(engine(model, batch_invariant=True).generate([p], sp)[0]) for p in [*others, target]
-    ]
-    mixed = engine(model, batch_invariant=True).generate([*others[:2], target, *others[2:]], sp)
-    eng = engine(model, block_size=4, num_blocks=16, max_requests=5, batch_invariant=True)
+    alone = [bits(exact().generate([p], sp)[0]) for p in [*others, target]]
+    mixed = exact().generate([*others[:2], target, *others[2:]], sp)
+    eng = exact(block_size=4, num_blocks=16, max_requests=5)
     evicted = eng.generate([*others, target], sp)
     assert any(e.type == DynamicInferenceEventType.EVICT for r in evicted for e in r.events)
-    pairs = [(mixed[2], alone[-1]), *zip(evicted, alone, strict=True)]
-    for got, want in pairs:
+    for got, want in [(mixed[2], alone[-1]), *zip(evicted, alone, strict=True)]:
         assert bits(got)[0] == want[0] and torch.equal(bits(got)[1], want[1])
-    other_seed = engine(model, batch_invariant=True).generate([target], sp.replace(seed=99))[0]
+    other_seed = exact().generate([target], sp.replace(seed=99))[0]
     assert other_seed.generated_tokens != alone[-1][0]
 
 
