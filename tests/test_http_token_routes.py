@@ -52,8 +52,8 @@ def test_generate_returns_ids_log_probs_and_weight_versions(served):  # noqa: F8
         assert c["token_ids"] == rec.generated_tokens and c["weight_versions"] == [0] * 6
         content = c["logprobs"]["content"]
         assert [e["token"] for e in content] == [f"token_id:{t}" for t in rec.generated_tokens]
-        got = [e["logprob"] for e in content]
-        assert got == pytest.approx(rec.generated_log_probs, rel=1e-6, abs=1e-6)
+        # n=2 rows batched vs each alone: the same floats (the server is batch-invariant)
+        assert [e["logprob"] for e in content] == rec.generated_log_probs
         assert c["finish_reason"] == "length"
 
 
