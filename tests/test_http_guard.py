@@ -359,10 +359,19 @@ def test_streamed_completion_log_probs_match_the_unstreamed_answer(served):
 
 def test_streamed_chat_log_probs_match_the_unstreamed_answer(served):
     kw = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=20,
-              seed=4, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})  # fmt: skip
-    whole = oai(served).chat.completions.create(**kw).choices[0].logprobs.content
-    streamed = [e for ch in oai(served).chat.completions.create(**kw, stream=True)
-                for c in ch.choices if c.logprobs for e in c.logprobs.content]  # fmt: skip
+              seed=4, logprobs=True, top_logprobs=2)  # fmt: skip
+
+    def extra(salt: str) -> dict:
+        """Each call its own cache salt: both prefill the templated prompt cold, the same
+        computation (a prefix hit would prefill another shape, and default mode's floats, so a
+        seeded draw at a CDF boundary, may then differ)."""
+        return {"extra_body": {"ignore_eos": True, "cache_salt": salt}}
+
+    answer = oai(served).chat.completions.create(**kw, **extra("whole"))
+    assert answer.usage.prompt_tokens_details.cached_tokens == 0
+    whole = answer.choices[0].logprobs.content
+    chunks = oai(served).chat.completions.create(**kw, **extra("streamed"), stream=True)
+    streamed = [e for ch in chunks for c in ch.choices if c.logprobs for e in c.logprobs.content]
     assert [(e.token, e.bytes) for e in streamed] == [(e.token, e.bytes) for e in whole]
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in whole], abs=1e-5)
     assert [[t.token for t in e.top_logprobs] for e in streamed] == [
