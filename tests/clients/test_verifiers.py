@@ -25,7 +25,8 @@ QUESTIONS = ["What is the capital of france?", "2 + 2 = ?", "the weather in Pari
 def test_train_client_collects_trainable_rollouts(tmp_path, monkeypatch):
     ckpt = make_checkpoint(tmp_path / "model")
     monkeypatch.setenv("ROLLOUT_TEST_KEY", "unused")
-    with serve(ckpt) as url:
+    # batch-invariant: the seeded rollout alone must repeat the one that shared its batches
+    with serve(ckpt, "--batch-invariant") as url:
         config = TrainClientConfig(base_url=f"{url}/v1", api_key_var="ROLLOUT_TEST_KEY",
                                    renderer_model_name=str(ckpt))  # fmt: skip
         client = TrainClient(config)
