@@ -141,10 +141,15 @@ def test_tool_choice_required_is_a_parsed_call_following_the_schema(oai):
 def test_tool_choice_named_and_streamed(oai):
     named = {"type": "function", "function": {"name": "shout"}}
     kw = dict(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=named, max_tokens=80)
-    (call,) = oai.chat.completions.create(seed=4, **kw).choices[0].message.tool_calls
+    # each call its own cache salt: both prefill the prompt cold, one computation run twice (a
+    # prefix hit prefills another shape, and default mode's floats, so a seeded draw, may differ)
+    answer = oai.chat.completions.create(seed=4, extra_body={"cache_salt": "whole"}, **kw)
+    assert answer.usage.prompt_tokens_details.cached_tokens == 0
+    (call,) = answer.choices[0].message.tool_calls
     assert call.function.name == "shout" and _args(call)["word"] in ("hi", "yo")
     calls, reason = {}, None
-    for chunk in oai.chat.completions.create(seed=4, stream=True, **kw):
+    for chunk in oai.chat.completions.create(seed=4, stream=True,
+                                             extra_body={"cache_salt": "streamed"}, **kw):  # fmt: skip
         for c in chunk.choices:
             for d in c.delta.tool_calls or []:
                 acc = calls.setdefault(d.index, {"name": "", "arguments": ""})
