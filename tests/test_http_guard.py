@@ -221,7 +221,9 @@ def test_per_request_limits_name_the_parameter(served):
              {"messages": [{"role": "user", "content": "a"}], "logprobs": True,
               "top_logprobs": 6})  # fmt: skip
     assert (r.status_code, r.json()["error"]["param"]) == (400, "top_logprobs")
-    r = post(served, "/completions", {"prompt": "a", "logprobs": 5, "max_tokens": 2})
+    r = post(
+        served, "/completions", {"prompt": "a", "logprobs": 5, "max_tokens": 2, "ignore_eos": True}
+    )
     assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["top_logprobs"]) == 2
 
 

@@ -133,6 +133,7 @@ def test_logprobs_processed_are_of_the_masked_distribution_raw_of_the_model():
     assert processed.generated_log_probs[0] == pytest.approx(want_processed.item(), abs=1e-4)
 
 
+@pytest.mark.heavy  # batch-invariant decode of JSON: over 10 s here
 def test_survives_eviction_with_the_same_tokens():
     spec = {"json": SCHEMA}
     ref = exact_engine()
@@ -168,6 +169,7 @@ def test_survives_a_weight_update_with_recompute(model):
     assert any(set(r.generated_weight_versions) == {0, 1} for r in done.values())
 
 
+@pytest.mark.heavy  # batch-invariant decode of JSON: over 10 s here
 def test_a_checkpointed_record_resumes_on_another_engine_with_the_same_tokens():
     spec = {"json": SCHEMA}
     want = run(_with(exact_engine(), spec))
