@@ -228,7 +228,7 @@ def test_paused_requests_wait_or_get_503_and_disconnects_abort(served):
     async def go():
         native = await served.native()
         http = httpx.AsyncClient(base_url=served.base, headers=served.auth, timeout=30)
-        body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4}
+        body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": True}
 
         async def stats():
             return await native.stats()
@@ -331,7 +331,9 @@ def test_weight_update_through_the_manager_lands_where_the_versions_say():
                     seen = len(versions)
                     updated = asyncio.create_task(asyncio.to_thread(manager.update_weights, new, 1))
             assert await updated == 1
-            after = await oai.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=4)
+            after = await oai.completions.create(
+                model="tiny", prompt=[1, 2, 3], max_tokens=4, extra_body={"ignore_eos": True}
+            )
             return versions, seen, ext(after.choices[0])["weight_versions"]
         finally:
             await oai.close()

@@ -70,7 +70,7 @@ def test_rl_frameworks_section():
             assert h.get(f"{servers[0]}/get_world_size").json() == {"world_size": 1}
             gen = h.post(f"{proxy}/inference/v1/generate", json={
                 "token_ids": [1, 2], "cache_salt": "0",
-                "sampling_params": {"max_tokens": 3, "logprobs": 0}}).json()  # fmt: skip
+                "sampling_params": {"max_tokens": 3, "logprobs": 0, "ignore_eos": True}}).json()  # fmt: skip
             assert gen["choices"][0]["weight_versions"] == [0] * 3
             # AReaL: the env var names host:port; its vLLM backend's generation request
             addr = re.fullmatch(
@@ -78,7 +78,7 @@ def test_rl_frameworks_section():
             )[1]
             out = h.post(f"http://{addr}/v1/completions", json={
                 "prompt": [1, 2], "max_tokens": 3, "return_tokens_as_token_ids": True,
-                "logprobs": 0, "skip_special_tokens": True}).json()  # fmt: skip
+                "logprobs": 0, "skip_special_tokens": True, "ignore_eos": True}).json()  # fmt: skip
             assert [t.startswith("token_id:") for t in out["choices"][0]["logprobs"]["tokens"]] == [
                 True
             ] * 3
