@@ -171,7 +171,8 @@ def test_skyrl_control_calls(served, client, tmp_path):
     gen = client.post("/inference/v1/generate", json={
         "token_ids": [1, 2, 3], "model": "tiny", "cache_salt": "3", "sampling_params": {
             "max_tokens": 4, "temperature": 1.0, "min_tokens": 0, "skip_special_tokens": True,
-            "min_p": 0, "top_k": -1, "ignore_eos": True}}, headers={"X-Session-ID": "s"})  # fmt: skip
+            "min_p": 0, "top_k": -1, "ignore_eos": True},  # sampled: no early EOS
+        }, headers={"X-Session-ID": "s"})  # fmt: skip
     assert gen.status_code == 200, gen.text
     assert len(gen.json()["choices"][0]["weight_versions"]) == 4
 

@@ -228,6 +228,7 @@ def test_paused_requests_wait_or_get_503_and_disconnects_abort(served):
     async def go():
         native = await served.native()
         http = httpx.AsyncClient(base_url=served.base, headers=served.auth, timeout=30)
+        # sampled (no seed): ignore_eos, or an early EOS leaves fewer than 4 tokens
         body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": True}
 
         async def stats():

@@ -68,9 +68,11 @@ def test_rl_frameworks_section():
             servers = re.search(r"external_server_urls=\[(\S+)\]", skyrl)[1].split(",")
             assert "run_engines_locally=false" in skyrl
             assert h.get(f"{servers[0]}/get_world_size").json() == {"world_size": 1}
+            # sampled (default temperature): ignore_eos, or an early EOS shortens it
             gen = h.post(f"{proxy}/inference/v1/generate", json={
                 "token_ids": [1, 2], "cache_salt": "0",
-                "sampling_params": {"max_tokens": 3, "logprobs": 0, "ignore_eos": True}}).json()  # fmt: skip
+                "sampling_params": {"max_tokens": 3, "logprobs": 0,
+                                    "ignore_eos": True}}).json()  # fmt: skip
             assert gen["choices"][0]["weight_versions"] == [0] * 3
             # AReaL: the env var names host:port; its vLLM backend's generation request
             addr = re.fullmatch(
