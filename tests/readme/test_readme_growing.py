@@ -38,8 +38,8 @@ def test_more_engines(tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "architecture, bos",
-    [("qwen2", False), pytest.param("llama", True, marks=pytest.mark.slow),
-     pytest.param("qwen3_moe", False, marks=pytest.mark.slow)],
+    [("qwen2", False), pytest.param("llama", True, marks=pytest.mark.heavy),
+     pytest.param("qwen3_moe", False, marks=pytest.mark.heavy)],
 )  # fmt: skip
 def test_hf_dir_checkpoint(tmp_path, architecture, bos):
     """A saved Llama / Qwen2 / Qwen3-MoE folder through the recipe; Qwen's tokenizers have no
@@ -78,7 +78,7 @@ def test_engine_gpu(tmp_path):
     assert not (tmp_path / "metrics.json").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.timeout(300)
 def test_slurm_sweep_row(tmp_path):
     """The SLURM row's sweep through submitit's local executor (no SLURM here)."""

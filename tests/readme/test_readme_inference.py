@@ -16,7 +16,7 @@ from readme_helpers import (
 )
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.timeout(180)
 def test_serve_synopsis():
     """`rollout serve --model tiny --dp 2 --port P --policy NAME` serves an InferenceClient."""
@@ -38,7 +38,7 @@ def test_serve_synopsis():
         assert serve.stop() == 0
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.timeout(300)
 def test_inference_snippet(tmp_path):
     """The inference library: a saved checkpoint, direct generate, then 2 engine processes

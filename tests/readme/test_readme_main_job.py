@@ -25,7 +25,7 @@ def test_main_job_recipe(tmp_path):
     assert len(train_rows(saved)) == 2
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.timeout(300)
 def test_async_recipe(tmp_path):
     saved = run_recipe(readme_command("test_async_recipe"), tmp_path / "run")
@@ -40,7 +40,7 @@ def test_calculator_recipe(tmp_path):
     assert all("rollout/turns_per_episode" in r and "rollout/tool_calls" in r for r in rows)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.timeout(300)
 def test_multirun(tmp_path):
     argv, env = argv_of(readme_command("test_multirun"))
@@ -50,7 +50,7 @@ def test_multirun(tmp_path):
     assert lrs == [1e-3, 2e-3]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.timeout(600)
 def test_main_sh_runs_the_main_job(tmp_path):
     """Installs into .venv (scripts/setup_env.sh) like a fresh machine, then runs the recipe."""
@@ -64,7 +64,7 @@ def test_main_sh_runs_the_main_job(tmp_path):
         assert saved["summary"]["steps"] == 2
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.timeout(600)
 def test_test_sh_runs_pytest():
     """scripts/test.sh is `python -m pytest -q` after setup; both run here on one small file."""
@@ -74,7 +74,7 @@ def test_test_sh_runs_pytest():
         assert re.search(r"\d+ passed", out.stdout), out.stdout[-2000:]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_slow_recipe_selection():
     """`pytest -m slow tests/test_recipes.py` selects the learning run (collected, not run)."""
     argv, env = argv_of(readme_command("test_slow_recipe_selection"))

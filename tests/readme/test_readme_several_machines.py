@@ -57,7 +57,7 @@ def test_serve_with_remote_engine(tmp_path):
             assert engine.p.wait(60) == 0, "the remote engine exits when its coordinator stops"
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.timeout(240)
 def test_slurm_example(tmp_path):
     """The SLURM example through stand-in sbatch/srun/scontrol (tests/test_slurm_example.py,
@@ -71,7 +71,7 @@ def test_slurm_example(tmp_path):
     check_job(env, tmp_path / "trainer", engines=3)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.timeout(180)
 def test_torchrun_trainer(tmp_path):
     """Two trainer ranks (tests/test_torchrun.py runs the same in the default suite): rank 0

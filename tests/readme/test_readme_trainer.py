@@ -16,7 +16,7 @@ from readme_helpers import (
 from rollout.sampling import SamplingParams
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.timeout(300)
 def test_trainer_snippet():
     """The trainer loop: an embedded engine, 2 steps of 16 groups x 8 samples, weights synced."""
