@@ -253,6 +253,40 @@ def test_lr_schedule_follows_the_config(schedule):
         assert all(a >= b for a, b in itertools.pairwise(lrs))
 
 
+def _metrics(overrides: list[str], out_dir: Path) -> list[dict]:
+    """The run's logged rows without its clocks (every other value is computed from the data)."""
+    run_recipe(compose([*overrides, "logger=disabled", f"logger.dir={out_dir}",
+                        f"hydra.run.dir={out_dir}"]))  # fmt: skip
+
+    def clock(key: str) -> bool:
+        return key.endswith(("_s", "/seconds", "/gbps")) or key == "engine/forward_time_s"
+
+    history = json.loads((out_dir / "metrics.json").read_text())["history"]
+    return [{k: v for k, v in r.items() if not clock(k)} for r in history]
+
+
+@pytest.mark.heavy  # three runs: over 10 s
+def test_a_seeded_batch_invariant_run_is_bit_reproducible(tmp_path):
+    """rollout.seed with rollout.batch_invariant: a rerun logs the same value for every metric
+    (rewards, losses, log-prob mismatch, evals: floats compared exactly); another seed does
+    not. A KL term makes every step an optimizer step, so later steps see moved weights."""
+    seeded = [*TINY, "trainer.warmup_sft_steps=300", "trainer.warmup_sft_lr=0.003",
+              "trainer.kl_coef=0.01", "rollout.batch_invariant=true"]  # fmt: skip
+    first = _metrics([*seeded, "rollout.seed=5"], tmp_path / "a")
+    again = _metrics([*seeded, "rollout.seed=5"], tmp_path / "b")
+    other = _metrics([*seeded, "rollout.seed=6"], tmp_path / "c")
+    steps = [r for r in first if "train/loss" in r]
+    assert len(steps) == 3 and not any(r["train/skipped_step"] for r in steps)
+    assert steps[0]["mismatch/logprob_abs_diff_max"] == 0.0  # the trainer's bits, fresh tokens
+    assert first == again
+    assert other != first  # other draws: other rewards, lengths, losses
+
+
+def test_rollout_seed_is_checked():
+    with pytest.raises(ConfigError, match=r"rollout\.seed must be in \[0, 2\*\*31\)"):
+        validate_recipe(compose(["rollout.seed=-1"]))
+
+
 def test_ensure_override_and_sparkline():
     argv = ["prog", "-m", "trainer.lr=1"]
     assert ensure_override(argv, "recipe", "x") == [*argv, "recipe=x"]

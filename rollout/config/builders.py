@@ -136,7 +136,8 @@ def sampling_params(
     """Rollout `SamplingParams` (behaviour log-probs on: the loss needs them)."""
     r = run.rollout
     kwargs: dict[str, Any] = dict(
-        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, num_tokens_to_generate=r.max_new_tokens,
+        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, seed=r.seed,
+        num_tokens_to_generate=r.max_new_tokens,
         stop_token_ids=list(stop_token_ids), return_log_probs=True,
         logprobs_mode=r.logprobs_mode.value, return_routed_experts=r.routing_replay,
     )  # fmt: skip

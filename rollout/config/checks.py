@@ -217,6 +217,10 @@ def _check_rollout(run: RunConfig, errors: list[str]) -> None:
     )
     _need(errors, 0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
     _need(errors, r.top_k >= 0, f"rollout.top_k must be >= 0 (0 = off), got {r.top_k}")
+    if r.seed is not None:
+        _need(
+            errors, 0 <= r.seed < 2**31, f"rollout.seed must be in [0, 2**31) or null, got {r.seed}"
+        )
     _need(
         errors, r.max_staleness >= 0, f"rollout.max_staleness must be >= 0, got {r.max_staleness}"
     )

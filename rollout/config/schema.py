@@ -157,6 +157,9 @@ class RolloutCfg:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    # Sampling seed: each sample draws from its own stream derived from it (group, member,
+    # request), so with batch_invariant a colocated run is bit-reproducible; None = random streams
+    seed: int | None = None
     # behaviour log-probs: processed = log_softmax(logits / temperature), what was sampled from
     # (the loss recomputes them at that temperature); raw = at temperature 1
     logprobs_mode: LogprobsMode = LogprobsMode.processed

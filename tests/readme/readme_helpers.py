@@ -73,6 +73,7 @@ COVERED = {
     "python -m recipes.grpo_reverse rollout.launcher=ray rollout.dp=2": "test_ray_launcher_recipe",
     "rollout serve --model DIR --dp 2 --launcher ray": "test_serve_launcher_ray",
     "python -m recipes.grpo_reverse rollout.batch_invariant=true": "test_batch_invariant_recipe",
+    "python -m recipes.grpo_reverse rollout.seed=1 rollout.batch_invariant=true": "test_seeded_rerun",
 }  # fmt: skip
 
 

@@ -126,3 +126,15 @@ def test_batch_invariant_recipe(tmp_path):
     saved = run_recipe(readme_command("test_batch_invariant_recipe"), tmp_path / "run")
     rows = train_rows(saved)
     assert len(rows) == 2 and all(r["mismatch/logprob_abs_diff_max"] == 0.0 for r in rows)
+
+
+@pytest.mark.heavy  # two recipe processes: over 10 s
+@pytest.mark.timeout(300)
+def test_seeded_rerun(tmp_path):
+    """Run twice as written: every logged value but the clocks is the same."""
+    command = readme_command("test_seeded_rerun")
+    runs = [run_recipe(command, tmp_path / d) for d in ("a", "b")]
+    clock = ("_s", "/seconds", "/gbps")
+    a, b = ([{k: v for k, v in r.items() if not k.endswith(clock)} for r in saved["history"]]
+            for saved in runs)  # fmt: skip
+    assert len(train_rows(runs[0])) == 2 and a == b
