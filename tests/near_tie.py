@@ -6,6 +6,7 @@ runner-up is that close may flip on another CPU, and everything after it may dif
 Exact equality of every token is the batch-invariant mode's promise
 (tests/test_batch_invariant_engine.py); these helpers compare what default mode pins down: the
 tokens before the first pick within CLEAR_MARGIN of its runner-up (all of them when there is none).
+`same_bits` is the batch-invariant comparison: every token and every log-prob bit.
 """
 
 from __future__ import annotations
@@ -72,3 +73,12 @@ def assert_matches_reference(
     else:
         assert list(got[:n]) == list(want[:n]), (n, list(got), list(want))
     return n
+
+
+def same_bits(a: DynamicInferenceRequest, b: DynamicInferenceRequest) -> bool:
+    """The same tokens and log-prob floats bit for bit (what batch-invariant mode promises two
+    computations of one request, greedy or seeded)."""
+    return list(a.generated_tokens) == list(b.generated_tokens) and torch.equal(
+        torch.tensor(a.generated_log_probs, dtype=torch.float32),
+        torch.tensor(b.generated_log_probs, dtype=torch.float32),
+    )

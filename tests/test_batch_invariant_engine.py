@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from near_tie import same_bits as same
 from reference import prompts_of, tiny_model
 
 from rollout import InferenceConfig, SamplingParams
@@ -42,11 +43,6 @@ def seeded_sp(seed: int = 7, **kw) -> SamplingParams:
 def bits(req) -> tuple[list[int], torch.Tensor]:
     """A request's tokens and its log-probs as fp32 (what the engine computed)."""
     return list(req.generated_tokens), torch.tensor(req.generated_log_probs, dtype=torch.float32)
-
-
-def same(a, b) -> bool:
-    (ta, la), (tb, lb) = bits(a), bits(b)
-    return ta == tb and torch.equal(la, lb)
 
 
 def run(eng: DynamicInferenceEngine, prompts, params):

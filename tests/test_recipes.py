@@ -253,16 +253,17 @@ def test_lr_schedule_follows_the_config(schedule):
         assert all(a >= b for a, b in itertools.pairwise(lrs))
 
 
+def without_clocks(history: list[dict]) -> list[dict]:
+    """Logged rows without their clocks (durations and rates): every other value is computed
+    from the data, so a bit-reproducible rerun logs it again."""
+    clock = ("_s", "/seconds", "/gbps")
+    return [{k: v for k, v in r.items() if not k.endswith(clock)} for r in history]
+
+
 def _metrics(overrides: list[str], out_dir: Path) -> list[dict]:
-    """The run's logged rows without its clocks (every other value is computed from the data)."""
     run_recipe(compose([*overrides, "logger=disabled", f"logger.dir={out_dir}",
                         f"hydra.run.dir={out_dir}"]))  # fmt: skip
-
-    def clock(key: str) -> bool:
-        return key.endswith(("_s", "/seconds", "/gbps")) or key == "engine/forward_time_s"
-
-    history = json.loads((out_dir / "metrics.json").read_text())["history"]
-    return [{k: v for k, v in r.items() if not clock(k)} for r in history]
+    return without_clocks(json.loads((out_dir / "metrics.json").read_text())["history"])
 
 
 @pytest.mark.heavy  # three runs: over 10 s
