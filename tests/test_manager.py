@@ -270,6 +270,15 @@ def test_collect_more_groups_than_may_be_in_flight():
     assert len(batch) == 10 and len({s.group_id for s in batch}) == 5
 
 
+def test_a_batch_lists_its_groups_in_the_order_their_prompts_were_pulled():
+    """Group 0's long prompt is prefilled in chunks, so group 1 finishes first; the batch is still
+    in pull order (a rerun's batch must not depend on which engine finished first)."""
+    with _manager() as m:
+        prompts = iter([[1 + i % 50 for i in range(600)], [3, 4]])
+        batch = m.collect(prompts, 2, n=2, sampling_params=_sp(2))
+    assert [s.group_id for s in batch] == [0, 0, 1, 1] and [s.index for s in batch] == [0, 1, 0, 1]
+
+
 def test_stats_describe_the_whole_batch_not_its_last_group():
     """Partial rollouts carried over an update come first, fresh groups last: the staleness
     stats must cover the whole batch handed out (a trainer logs them as the batch's)."""

@@ -4,8 +4,9 @@ node's object store bounded, Ray's token authentication disabled explicitly (a l
 cluster; RAY_AUTH_MODE). Engines run on CPU inside bundles that hold a fake GPU, so the
 placement, CUDA_VISIBLE_DEVICES plumbing, weight transport and failover are Ray's real ones.
 
-- A GRPO loop at dp=2, one engine per worker node, learns as the same loop does on local engine
-  processes, every token stamped with a version the trainer pushed.
+- A GRPO loop at dp=2, one engine per worker node, learns exactly as the same loop does on local
+  engine processes: seeded samples from batch-invariant engines, no partial rollouts, so both
+  runs log the same rewards bit for bit; every token stamped with a version the trainer pushed.
 - A worker node removed mid-generation loses nothing: every sample completes exactly once with
   exact versions, and its engine comes back in a bundle Ray re-placed on the other worker node,
   serving only once it holds the trainer's weights (greedy decoding equals the trainer's).
@@ -35,14 +36,17 @@ from trainer_hooks.loop import train  # noqa: E402
 pytestmark = [pytest.mark.heavy, pytest.mark.timeout(900)]
 
 STORE = 100 << 20  # object store bytes per node (Ray's minimum is ~75 MB)
+SEED = 1  # every sample's stream seeded (per sample), so both runs draw the same tokens
 HALF = 128  # the reward: the share of completion tokens below it (about half at random init)
 PROMPTS = [[256, *b"hello"], [256, *b"world"], [256, *b"ray!"], [256, *b"abc"]]
 RUN = [
     "rollout.dp=2", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8",
+    "rollout.prompts_per_step=4", "rollout.partial_rollouts=false",  # each batch: the groups sent
     "engine.block_size=4", "engine.num_blocks=128", "engine.max_sequence_length=256",
     "engine.streaming_interval=4",  # failover checkpoints every 4 tokens
     "coordinator.heartbeat_s=0.3", "coordinator.engine_timeout_s=2.0",
     "coordinator.policy=round_robin", "coordinator.restart_backoff_s=0.0",
+    "engine.batch_invariant=true",  # seeded samples: the same bits on any engine, in any batch
 ]  # fmt: skip
 RAY = ["rollout.launcher=ray", "rollout.ray.placement_strategy=SPREAD",
        "rollout.ray.gpus_per_engine=1", "rollout.ray.cpus_per_engine=1"]  # fmt: skip
@@ -98,7 +102,7 @@ def _grpo(overrides: list[str]) -> tuple[list[float], dict]:
         opt = torch.optim.Adam(model.parameters(), lr=3e-2)
         prompts = iter(PROMPTS * 100)
         sp = SamplingParams(temperature=1.0, num_tokens_to_generate=8, ignore_eos=True,
-                            return_log_probs=True)  # fmt: skip
+                            return_log_probs=True, seed=SEED)  # fmt: skip
 
         def on_step(step: int, metrics: dict) -> None:
             seen["pushed"].add(manager.version)
@@ -126,6 +130,7 @@ def test_grpo_on_two_ray_nodes_learns_as_local_processes_do(cluster):
     assert all(w["gpu_ids"] and w["cuda_visible_devices"] == w["gpu_ids"][0]
                for w in on_ray["where"]), on_ray["where"]  # fmt: skip  # Ray's GPU, Ray's env
     assert on_ray["transport"] == "broadcast"  # the engines are off the trainer's node
+    assert ray_rewards == local_rewards and on_ray["final"] == local["final"]  # bit for bit
     for rewards, seen in ((local_rewards, local), (ray_rewards, on_ray)):
         assert seen["versions"] <= seen["pushed"], seen  # every token from a pushed version
         assert seen["final"] > rewards[0] + 0.2, (rewards, seen["final"])  # it learned

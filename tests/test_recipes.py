@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipes.common import ensure_override, run_recipe, sparkline
+from recipes.common import ensure_override, rerun_may_differ, run_recipe, sparkline
 from recipes.config import lr_scheduler, validate_recipe
 from rollout.config import ConfigError, compose, load_config
 from rollout.metrics import read_offline_run
@@ -281,6 +281,38 @@ def test_a_seeded_batch_invariant_run_is_bit_reproducible(tmp_path):
     assert steps[0]["mismatch/logprob_abs_diff_max"] == 0.0  # the trainer's bits, fresh tokens
     assert first == again
     assert other != first  # other draws: other rewards, lengths, losses
+
+
+@pytest.mark.heavy  # two runs with engine processes
+def test_a_seeded_run_on_two_engine_processes_reruns_without_partial_rollouts(tmp_path):
+    """rollout.dp=2 with rollout.partial_rollouts=false: each batch is the groups sent for it, so
+    a rerun logs the same values; only rollout/engine_steps, the manager's polls, may differ."""
+    seeded = [*TINY, "trainer.kl_coef=0.01", "rollout.batch_invariant=true", "rollout.seed=5",
+              "rollout.dp=2", "rollout.partial_rollouts=false"]  # fmt: skip
+    polls = "rollout/engine_steps"
+    first, again = (
+        [{k: v for k, v in r.items() if k != polls} for r in _metrics(seeded, tmp_path / d)]
+        for d in ("a", "b")
+    )
+    assert sum("train/loss" in r for r in first) == 3
+    assert first == again
+
+
+@pytest.mark.parametrize(
+    ("overrides", "why"),
+    [
+        ([], None),  # unseeded: nothing promised
+        (["rollout.seed=1"], None),  # seeded without the mode: nothing promised
+        (["rollout.seed=1", "rollout.batch_invariant=true"], None),
+        (["rollout.seed=1", "rollout.batch_invariant=true", "rollout.dp=2"], "partial_rollouts=false"),
+        (["rollout.seed=1", "rollout.batch_invariant=true", "rollout.dp=2",
+          "rollout.partial_rollouts=false"], None),
+        (["rollout.seed=1", "rollout.batch_invariant=true", "rollout=async"], "async mode"),
+    ],
+)  # fmt: skip
+def test_the_recipe_says_when_a_seeded_run_cannot_rerun(overrides, why):
+    found = rerun_may_differ(validate_recipe(compose(overrides)))
+    assert found is None if why is None else why in found
 
 
 def test_rollout_seed_is_checked():

@@ -190,7 +190,8 @@ class RolloutManager:
         *,
         env: EnvFactory | None = None,
     ) -> list[Sample]:
-        """Return `batch_size_groups` complete groups of n samples (group-contiguous, flat).
+        """Return `batch_size_groups` complete groups of n samples (group-contiguous, flat, in
+        the order their prompts were pulled, whichever engine finished first).
 
         Prompts (str, token list, or a dict with "prompt" plus metadata handed to `reward_fn` via
         `sample.metadata`) are pulled from `prompt_source` while in-flight + ready groups are below
@@ -238,6 +239,7 @@ class RolloutManager:
                     break
         if self.config.mode == "async":  # the engine generates while the trainer trains
             self._top_up(source, n, sp, cap, env)
+        batch.sort(key=lambda s: s.group_id)  # submission order, not finishing order (stable)
         self._last.update(  # the whole batch, not just its last group
             staleness_summary(
                 [s.on_model_tokens(s.policy_staleness) for s in batch],
