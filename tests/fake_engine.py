@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -300,6 +301,27 @@ def reap(procs: list[Any], timeout: float = 5.0) -> None:
         if p.is_alive():
             p.kill()
         p.join(timeout)
+
+
+def checkpointed(coord: DataParallelInferenceCoordinator, engine: Any) -> int:
+    """How many of `engine`'s requests have streamed a checkpoint (the coordinator's view)."""
+    pending = (coord.requests.get(rid) for rid in list(engine.requests))
+    return sum(1 for p in pending if p is not None and p.resume_tokens)
+
+
+async def kill_mid_generation(h: Harness, procs: list[Any], since: int, timeout: float) -> int:
+    """Once 2 checkpoints streamed after `since` (a `partials` count), freeze every engine
+    process, SIGKILL the one holding the most checkpointed unfinished requests, thaw the rest:
+    a re-dispatch is certain, not a race with the engines finishing. Returns the victim's rank."""
+    await wait_until(lambda: h.coord.counters["partials"] >= since + 2, timeout, "checkpoints")
+    for proc in procs:
+        os.kill(proc.pid, signal.SIGSTOP)
+    victim = max(list(h.coord.engines.values()), key=lambda e: checkpointed(h.coord, e))
+    assert checkpointed(h.coord, victim) > 0, "no engine holds a checkpointed request"
+    os.kill(procs[victim.rank].pid, signal.SIGKILL)
+    for proc in procs:
+        os.kill(proc.pid, signal.SIGCONT)
+    return victim.rank
 
 
 def _run_quietly(worker: Any) -> None:

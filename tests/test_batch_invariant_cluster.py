@@ -5,13 +5,11 @@ tokens after the kill re-prefilled on the other engine); replay regenerates them
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import signal
 
 import pytest
 import torch
-from fake_engine import Harness, reap, wait_until
+from fake_engine import Harness, kill_mid_generation, reap
 
 from rollout.engine.config import InferenceConfig
 from rollout.rl.replay import Replayer
@@ -49,12 +47,6 @@ def _direct(items):
         engine.close()
 
 
-def _checkpointed(coord, engine) -> int:
-    """How many of `engine`'s requests have streamed a checkpoint (the coordinator's view)."""
-    pending = (coord.requests.get(rid) for rid in list(engine.requests))
-    return sum(1 for p in pending if p is not None and p.resume_tokens)
-
-
 def _bits(req) -> tuple[list[int], torch.Tensor]:
     return list(req.generated_tokens), torch.tensor(req.generated_log_probs)
 
@@ -84,14 +76,7 @@ async def test_dp2_and_a_sigkilled_engine_give_the_bits_of_one_engine():
         # re-prefilled on the survivor, in other batches (frozen, nothing finishes meanwhile)
         base = h.coord.counters["partials"]
         futs = [client.add_request(p, sp) for p, sp in items]
-        await wait_until(lambda: h.coord.counters["partials"] >= base + 2, 120, "checkpoints")
-        for proc in procs:
-            os.kill(proc.pid, signal.SIGSTOP)
-        victim = max(list(h.coord.engines.values()), key=lambda e: _checkpointed(h.coord, e))
-        assert _checkpointed(h.coord, victim) > 0, "no engine holds a checkpointed request"
-        os.kill(procs[victim.rank].pid, signal.SIGKILL)
-        for proc in procs:
-            os.kill(proc.pid, signal.SIGCONT)
+        await kill_mid_generation(h, procs, base, 120)
         records = await asyncio.wait_for(asyncio.gather(*futs), 120)
         assert h.coord.counters["redispatched"] > 0
         merged = [r.merge() for r in records]

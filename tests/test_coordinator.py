@@ -4,7 +4,7 @@ import asyncio
 import json
 
 import pytest
-from fake_engine import Harness, expected_tokens
+from fake_engine import Harness, expected_tokens, wait_until
 
 from rollout.request import DynamicInferenceRequestRecord
 from rollout.sampling import SamplingParams
@@ -114,8 +114,9 @@ async def test_streaming_and_abort(harness):
     full = final.merge().generated_tokens
     assert full == expected_tokens([5, 6, 7], 9) and full[: len(streamed)] == streamed
 
+    base = harness.coord.counters["partials"]
     long = client.add_request([9, 9], SamplingParams(num_tokens_to_generate=100_000))
-    await asyncio.sleep(0.05)  # let it generate a little
+    await wait_until(lambda: harness.coord.counters["partials"] > base, what="a checkpoint")
     client.abort(long)
     rec = await asyncio.wait_for(long, 5)
     merged = rec.merge()

@@ -168,7 +168,7 @@ def test_collect_groups_routed_together_and_closed_cleanly(ctx):
     least recently picked engine; its later samples match all their blocks on that engine."""
     m = ctx["manager"]
     source = iter([{"prompt": [256, *f"{i}: group prompt".encode()], "k": i} for i in range(6)])
-    sp = SamplingParams(temperature=1.0, num_tokens_to_generate=5, seed=1)
+    sp = SamplingParams(temperature=1.0, num_tokens_to_generate=5, seed=1, ignore_eos=True)
     batch = m.collect(source, 4, n=3, reward_fn=lambda s: s.metadata["k"], sampling_params=sp)
     assert len(batch) == 12 and [s.reward for s in batch[::3]] == [
         s.metadata["k"] for s in batch[::3]

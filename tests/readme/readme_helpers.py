@@ -293,7 +293,7 @@ async def serve_requests(address: str, token: str | None, engines: int) -> int:
     try:
         while len((await client.stats())["engines"]) < engines:
             await asyncio.sleep(0.05)  # the coordinator's own view; pytest-timeout bounds it
-        sp = SamplingParams(temperature=0.0, num_tokens_to_generate=3)
+        sp = SamplingParams(temperature=0.0, num_tokens_to_generate=3, ignore_eos=True)  # counted
         recs = await asyncio.gather(*[client.add_request([i + 1] * 5, sp) for i in range(8)])
         return sum(len(r.merge().generated_tokens) for r in recs)
     finally:
