@@ -27,15 +27,16 @@ import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rollout.sampling import VLLM_LOGPROBS_MODES
 from rollout.serving.auth import new_token, read_token_file, resolve_token
-from rollout.serving.cluster import EngineCluster
 from rollout.serving.coordinator.routing import POLICIES
 from rollout.serving.curve import ENV_CURVE
-from rollout.serving.factory import build_engine, tokenizer_from_source
 from rollout.serving.launcher import LAUNCHERS, PLACEMENT_STRATEGIES, ray_problem
-from rollout.serving.worker import EngineWorker
+
+if TYPE_CHECKING:
+    from rollout.serving.cluster import EngineCluster
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -231,6 +232,9 @@ def engine(args: argparse.Namespace) -> int:
         raise SystemExit(f"rollout engine: --rank must be >= 0, got {args.rank}")
     token = _token("engine", args)
     _apply_curve(args)
+    from rollout.serving.factory import build_engine  # torch: not for the processes spawned
+    from rollout.serving.worker import EngineWorker
+
     built = build_engine(args.model, device=args.device, dtype=args.dtype, **_engine_config(args))
     worker = EngineWorker(built, args.coordinator, args.rank, auth_token=token,
                           block_size=args.block_size, capacity=args.max_requests)  # fmt: skip
@@ -315,6 +319,8 @@ def serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGINT, _raise_interrupt)
+    from rollout.serving.cluster import EngineCluster  # torch: not for the processes spawned
+
     cluster = EngineCluster(
         args.dp,
         args.model,
@@ -383,6 +389,7 @@ def _serve_http(args: argparse.Namespace, address: str, token: str | None,
     # function-level: fastapi/uvicorn are the optional 'http' extra
     import uvicorn
 
+    from rollout.serving.factory import tokenizer_from_source
     from rollout.serving.http.app import build_app
     from rollout.serving.http.chat import load_chat_template, special_tokens_of
     from rollout.serving.http.server import KeepBacklog, install_log_rate_limit, uvicorn_config

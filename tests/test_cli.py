@@ -27,6 +27,14 @@ def test_parser_has_serve_subcommand():
         build_parser().parse_args(["serve", "--model", "tiny", "--policy", "random"])
 
 
+def test_the_cli_module_imports_without_torch():
+    """`rollout serve` spawns its coordinator, which re-imports the main module (rollout.cli):
+    torch (~2 s to import) loads only in the commands that build or drive engines."""
+    code = "import sys, rollout.cli; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 def test_batch_invariant_flag_reaches_the_engine_config():
     from rollout.cli import _engine_config
 

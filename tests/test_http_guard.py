@@ -113,6 +113,7 @@ def test_half_sent_requests_are_cut_off_and_connections_are_capped(served):
     assert logged.count("refused a connection") <= 5, logged  # rate-limited, not one per caller
 
 
+@pytest.mark.heavy  # 1,100 connections and an engine restart: ~20 s; .ci/run runs it
 def test_a_flood_past_the_descriptor_limit_leaves_room_to_restart_an_engine(tmp_path):
     """1,100 half-sent requests against a server whose hard open-file limit is 1,024: the
     connection cap (lowered to leave a reserve) keeps descriptors free, so an engine killed

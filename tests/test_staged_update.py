@@ -243,6 +243,7 @@ def gated_engine(**kwargs):
     return eng
 
 
+@pytest.mark.heavy  # two engine processes, 1,000+ tokens: ~14 s; .ci/run runs it
 def test_engine_processes_step_while_they_receive_a_staged_update():
     """dp = 2, async: each engine process receives and stages while its loop keeps stepping
     (its staging waits for two more steps: an engine that stopped would fail the update), and
