@@ -51,7 +51,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from recipes.config import lr_scheduler, task_of, validate_recipe
+from recipes.config import lr_scheduler, rerun_may_differ, task_of, validate_recipe
 from rollout.config.builders import (
     build_logger,
     build_manager,
@@ -62,7 +62,7 @@ from rollout.config.builders import (
     to_dict,
     wandb_dir,
 )
-from rollout.config.schema import HF_DIR, Launcher, RolloutMode, RunConfig
+from rollout.config.schema import HF_DIR, RunConfig
 from rollout.metrics import save_plot, staleness_summary
 from rollout.rl.environment import EnvFactory
 from rollout.rl.episodes import episode_metrics
@@ -333,23 +333,6 @@ def run_recipe(cfg: Any) -> dict[str, Any]:
         if group is not None and not group.is_main:
             return _follow(run, group)
         return _run(run, group)
-
-
-def rerun_may_differ(run: RunConfig) -> str | None:
-    """Why a seeded, batch-invariant run would not rerun bit for bit (None: it will)."""
-    r = run.rollout
-    if r.seed is None or not r.batch_invariant:
-        return None
-    if r.mode is not RolloutMode.colocated:
-        return ("rollout.seed: in async mode the weights each token is sampled with depend on "
-                "timing, so a rerun can differ")  # fmt: skip
-    processes = r.dp > 1 or r.launcher is Launcher.ray or r.coordinator_address is not None
-    if processes and r.partial_rollouts:
-        return ("rollout.seed with engine processes (rollout.dp > 1, the ray launcher or an "
-                "attached coordinator): how far a partial rollout got before they were suspended "
-                "depends on timing, so a rerun can differ; "
-                "rollout.partial_rollouts=false makes it rerun bit for bit")  # fmt: skip
-    return None
 
 
 def _run(run: RunConfig, group: TrainerGroup | None = None) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """What the recipes add to the library's run config: the task (`recipe.task_module`), checks that
-need it, and the trainer's learning-rate schedule."""
+need it, whether a seeded run can rerun bit for bit, and the trainer's learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
+from rollout.config.builders import engine_processes
 from rollout.config.checks import problems, raise_problems, to_run_config
-from rollout.config.schema import RunConfig
+from rollout.config.schema import RolloutMode, RunConfig
 
 
 def task_of(run: RunConfig) -> Any:
@@ -45,6 +46,22 @@ def validate_recipe(cfg: Any) -> RunConfig:
         errors += problems(run, task.max_prompt_tokens, f"recipe.task={rc.task}")
     raise_problems(errors)
     return run
+
+
+def rerun_may_differ(run: RunConfig) -> str | None:
+    """Why a seeded, batch-invariant run would not rerun bit for bit (None: it will)."""
+    r = run.rollout
+    if r.seed is None or not r.batch_invariant:
+        return None
+    if r.mode is not RolloutMode.colocated:
+        return ("rollout.seed: in async mode the weights each token is sampled with depend on "
+                "timing, so a rerun can differ")  # fmt: skip
+    if engine_processes(run) and r.partial_rollouts:
+        return ("rollout.seed with engine processes (rollout.dp > 1, the ray launcher or an "
+                "attached coordinator): how far a partial rollout got before they were suspended "
+                "depends on timing, so a rerun can differ; "
+                "rollout.partial_rollouts=false makes it rerun bit for bit")  # fmt: skip
+    return None
 
 
 def torchrun_problems(run: RunConfig) -> list[str]:

@@ -20,6 +20,8 @@ CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# a stream an update lands in: /pause comes 5-15 tokens after its first chunk
+LONG_STREAM = 200
 HTTP_TOKEN = "http-secret"
 COORD_TOKEN = "coord-secret"
 

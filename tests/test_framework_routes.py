@@ -16,13 +16,12 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from http_serve import serve_http, served_fixture
+from http_serve import LONG_STREAM, serve_http, served_fixture
 from reference import tiny_model
 
 from rollout.models.loader import save_pretrained
 
 FLAGS = ("--block-size", "4", "--streaming-interval", "1")
-LONG = 200  # a stream the update lands in: /pause comes 5-15 tokens after its first chunk
 
 
 served = served_fixture("frameworks", *FLAGS)
@@ -56,7 +55,7 @@ def _check_scores(model: torch.nn.Module, prompt: list[int], tokens: list[int],
 def test_prime_rl_sequence_carries_a_request_across_a_folder_update(served, client, tmp_path):
     before = _version(client)
     folder, model = _folder(tmp_path, seed=11, name="step_1")
-    body = {"prompt": [5, 6, 7], "max_tokens": LONG, "temperature": 0, "ignore_eos": True,
+    body = {"prompt": [5, 6, 7], "max_tokens": LONG_STREAM, "temperature": 0, "ignore_eos": True,
             "stream": True, "cache_salt": f"v{before}"}  # fmt: skip
     versions: list[int] = []
     with client.stream("POST", "/v1/completions", json=body) as r:
@@ -79,7 +78,7 @@ def test_prime_rl_sequence_carries_a_request_across_a_folder_update(served, clie
         for line in lines:
             if line.startswith("data: {"):
                 versions += json.loads(line[6:])["choices"][0]["weight_versions"]
-    assert len(versions) == LONG  # nothing lost or repeated
+    assert len(versions) == LONG_STREAM  # nothing lost or repeated
     assert versions[0] == before and versions[-1] == before + 1
     assert versions.count(before) > 0 and versions.count(before + 1) > 0
     assert versions == sorted(versions)

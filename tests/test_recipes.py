@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipes.common import ensure_override, rerun_may_differ, run_recipe, sparkline
-from recipes.config import lr_scheduler, validate_recipe
+from recipes.common import ensure_override, run_recipe, sparkline
+from recipes.config import lr_scheduler, rerun_may_differ, validate_recipe
 from rollout.config import ConfigError, compose, load_config
 from rollout.metrics import read_offline_run
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from http_serve import served_fixture
+from http_serve import LONG_STREAM, served_fixture
 from reference import tiny_model
 from safetensors.torch import load_file, save_file
 
@@ -23,7 +23,6 @@ from rollout.models.loader import save_pretrained
 
 FLAGS = ("--block-size", "4", "--streaming-interval", "1")
 PAYLOAD = "delta-rank00000-file000000.safetensors"
-LONG = 200  # a stream the update lands in: /pause comes 5-15 tokens after its first chunk
 
 
 served = served_fixture("skyrl", *FLAGS)
@@ -91,7 +90,7 @@ def test_skyrl_delta_sequence_carries_a_request_across_the_update(client, tmp_pa
     }
     _init(client, tmp_path / "base")
     before = _version(client)
-    body = {"prompt": [5, 6, 7], "max_tokens": LONG, "temperature": 0, "ignore_eos": True,
+    body = {"prompt": [5, 6, 7], "max_tokens": LONG_STREAM, "temperature": 0, "ignore_eos": True,
             "stream": True}  # fmt: skip
     versions: list[int] = []
     with client.stream("POST", "/v1/completions", json=body) as r:
@@ -118,7 +117,7 @@ def test_skyrl_delta_sequence_carries_a_request_across_the_update(client, tmp_pa
         for line in lines:
             if line.startswith("data: {"):
                 versions += json.loads(line[6:])["choices"][0]["weight_versions"]
-    assert len(versions) == LONG and versions == sorted(versions)  # nothing lost or repeated
+    assert len(versions) == LONG_STREAM and versions == sorted(versions)  # nothing lost or repeated
     assert versions[0] == before and versions[-1] == before + 3
     out = client.post("/inference/v1/generate", json={"token_ids": [9, 8, 7], "sampling_params": {
         "max_tokens": 6, "temperature": 0, "logprobs": 0}}).json()["choices"][0]  # fmt: skip

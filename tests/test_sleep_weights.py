@@ -9,13 +9,12 @@ import json
 
 import httpx
 import torch
-from http_serve import served_fixture
+from http_serve import LONG_STREAM, served_fixture
 from reference import greedy, tiny_model
 
 from rollout.models.loader import save_pretrained
 
 served = served_fixture("sleep", "--block-size", "4", "--streaming-interval", "1")
-LONG = 200  # a stream the update lands in: /pause comes 5-15 tokens after its first chunk
 
 
 def _folder(tmp, seed: int) -> tuple[str, torch.nn.Module]:
@@ -51,7 +50,7 @@ def test_skyrl_colocated_order_frees_the_weights_and_holds_requests(client, tmp_
     old = tiny_model(seed=0) if before == 0 else None
     folder, new = _folder(tmp_path, 31)
     prompt = [5, 6, 7, 8]
-    body = {"prompt": prompt, "max_tokens": LONG, "temperature": 0, "ignore_eos": True,
+    body = {"prompt": prompt, "max_tokens": LONG_STREAM, "temperature": 0, "ignore_eos": True,
             "stream": True}  # fmt: skip
     with client.stream("POST", "/v1/completions", json=body) as r:
         lines = r.iter_lines()
@@ -71,12 +70,14 @@ def test_skyrl_colocated_order_frees_the_weights_and_holds_requests(client, tmp_
         assert client.get("/is_sleeping").json() == {"is_sleeping": False}
         assert client.post("/resume").status_code == 200  # the caller's pause(keep)
         tokens, versions = _chunks(first + list(lines))
-    assert len(tokens) == LONG  # held across the sleep: nothing lost or repeated
+    assert len(tokens) == LONG_STREAM  # held across the sleep: nothing lost or repeated
     n_old = versions.count(before)
-    assert 0 < n_old < LONG and versions == [before] * n_old + [before + 1] * (LONG - n_old)
+    assert 0 < n_old < LONG_STREAM and versions == [before] * n_old + [before + 1] * (
+        LONG_STREAM - n_old
+    )
     if old is not None:
         assert tokens[:n_old] == greedy(old, prompt, n_old)
-    assert tokens[n_old:] == greedy(new, prompt + tokens[:n_old], LONG - n_old)
+    assert tokens[n_old:] == greedy(new, prompt + tokens[:n_old], LONG_STREAM - n_old)
     fresh = client.post("/v1/completions", json={"prompt": [9, 1, 9], "max_tokens": 6,
                                                  "temperature": 0}).json()  # fmt: skip
     assert fresh["choices"][0]["token_ids"] == greedy(new, [9, 1, 9], 6)

@@ -196,7 +196,7 @@ def build_manager(
         tokenizer = build_tokenizer(run)
     if run.rollout.coordinator_address is not None:
         return attached_manager(run, model, tokenizer, **changes)
-    if run.rollout.dp > 1 or run.rollout.launcher.value == "ray":
+    if engine_processes(run):
         return RolloutManager(
             manager_config(run, dp=run.rollout.dp, **changes), model=model, tokenizer=tokenizer,
             inference_config=inference_config(run), cluster_options=cluster_options(run),
@@ -205,6 +205,13 @@ def build_manager(
         manager_config(run, **changes), model=copy.deepcopy(model), tokenizer=tokenizer,
         inference_config=inference_config(run),
     )  # fmt: skip
+
+
+def engine_processes(run: RunConfig) -> bool:
+    """The engines run in processes of their own (dp > 1, Ray, or attached over TCP), not in the
+    trainer's: their progress between two of the manager's calls is the OS's to schedule."""
+    r = run.rollout
+    return r.dp > 1 or r.launcher.value == "ray" or r.coordinator_address is not None
 
 
 def attached_manager(
